@@ -1,0 +1,1 @@
+"""router-sidecar: honest failover for streaming LLM requests behind Envoy."""

