@@ -1,0 +1,203 @@
+"""Parsing of the simulator's per-request fault spec (request header ``x-sim-fault``).
+
+Pure: no I/O. Grammar (one or more ``;``-separated clauses)::
+
+    spec     := clause (";" clause)*
+    clause   := ACTION "@" POINT (" " MODIFIER)*
+    ACTION   := exit | reset | stall | close | error | abort | status503 | delay
+    POINT    := headers | role | token:N | after:N | done          (N >= 1)
+    MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS
+
+``for`` is only accepted on ``stall`` (optional: stall that long, then continue) and ``delay``
+(required). ``status503`` is only accepted at ``@headers``. Anything else is a :class:`FaultSpecError`
+naming the bad clause, so that a typo in a test fails loudly instead of silently running clean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["exit", "reset", "stall", "close", "error", "abort", "status503", "delay"]
+PointKind = Literal["headers", "role", "token", "after", "done"]
+
+ACTIONS: frozenset[str] = frozenset(
+    {"exit", "reset", "stall", "close", "error", "abort", "status503", "delay"}
+)
+_SIMPLE_POINTS: frozenset[str] = frozenset({"headers", "role", "done"})
+_INDEXED_POINTS: frozenset[str] = frozenset({"token", "after"})
+
+HEADER = "x-sim-fault"
+
+
+class FaultSpecError(ValueError):
+    """A clause of the fault spec could not be parsed; ``clause`` is the offending text."""
+
+    def __init__(self, clause: str, reason: str) -> None:
+        super().__init__(f"invalid x-sim-fault clause {clause!r}: {reason}")
+        self.clause = clause
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: PointKind
+    n: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.n is None else f"{self.kind}:{self.n}"
+
+
+HEADERS = Point("headers")
+ROLE = Point("role")
+DONE = Point("done")
+
+
+def token_point(n: int) -> Point:
+    """The point just before content event ``n`` (1-based) is written."""
+    return Point("token", n)
+
+
+def after_point(n: int) -> Point:
+    """The point right after content event ``n`` (1-based) was written and flushed."""
+    return Point("after", n)
+
+
+@dataclass(frozen=True)
+class Clause:
+    action: Action
+    point: Point
+    attempts: frozenset[int] | None = None
+    replicas: frozenset[str] | None = None
+    duration: float | None = None
+    raw: str = field(default="", compare=False)
+
+    def label(self) -> str:
+        return f"{self.action}@{self.point}"
+
+    def applies_to(self, *, attempt: int | None, replica: str) -> bool:
+        """Whether the clause's ``attempt=``/``replica=`` filters select this request on this replica.
+
+        A clause with ``attempt=`` never applies to a request without a parseable
+        ``x-envoy-attempt-count`` header.
+        """
+        if self.attempts is not None and (attempt is None or attempt not in self.attempts):
+            return False
+        return self.replicas is None or replica in self.replicas
+
+
+def _parse_point(text: str, clause: str) -> Point:
+    if text in _SIMPLE_POINTS:
+        return Point(text)  # type: ignore[arg-type]
+    kind, sep, num = text.partition(":")
+    if sep and kind in _INDEXED_POINTS:
+        if not num.isdigit() or int(num) < 1:
+            raise FaultSpecError(clause, f"point {text!r} needs an integer N >= 1")
+        return Point(kind, int(num))  # type: ignore[arg-type]
+    raise FaultSpecError(clause, f"unknown point {text!r} (expected headers, role, token:N, after:N, done)")
+
+
+def _parse_ints(value: str, clause: str) -> frozenset[int]:
+    items = [v.strip() for v in value.split(",")]
+    if not items or any(not v.isdigit() or int(v) < 1 for v in items):
+        raise FaultSpecError(clause, f"attempt={value!r} must be a comma-separated list of integers >= 1")
+    return frozenset(int(v) for v in items)
+
+
+def _parse_names(value: str, clause: str) -> frozenset[str]:
+    items = [v.strip() for v in value.split(",")]
+    if not items or any(not v for v in items):
+        raise FaultSpecError(clause, f"replica={value!r} must be a comma-separated list of names")
+    return frozenset(items)
+
+
+def _parse_seconds(value: str, clause: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise FaultSpecError(clause, f"for={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise FaultSpecError(clause, f"for={value!r} must be a finite number >= 0")
+    return seconds
+
+
+def parse_clause(text: str) -> Clause:
+    """Parse one clause, e.g. ``"reset@token:3 attempt=1 replica=r1"``."""
+    clause = text.strip()
+    head, *mods = clause.split()
+    action, sep, point_text = head.partition("@")
+    if not sep:
+        raise FaultSpecError(clause, "expected ACTION@POINT")
+    if action not in ACTIONS:
+        expected = ", ".join(sorted(ACTIONS))
+        raise FaultSpecError(clause, f"unknown action {action!r} (expected one of {expected})")
+    point = _parse_point(point_text, clause)
+    attempts: frozenset[int] | None = None
+    replicas: frozenset[str] | None = None
+    duration: float | None = None
+    for mod in mods:
+        key, eq, value = mod.partition("=")
+        if not eq or not value:
+            raise FaultSpecError(clause, f"modifier {mod!r} is not key=value")
+        if key == "attempt" and attempts is None:
+            attempts = _parse_ints(value, clause)
+        elif key == "replica" and replicas is None:
+            replicas = _parse_names(value, clause)
+        elif key == "for" and duration is None:
+            duration = _parse_seconds(value, clause)
+        elif key in ("attempt", "replica", "for"):
+            raise FaultSpecError(clause, f"modifier {key!r} given twice")
+        else:
+            raise FaultSpecError(clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=)")
+    if duration is not None and action not in ("stall", "delay"):
+        raise FaultSpecError(clause, "for= is only valid with stall or delay")
+    if action == "delay" and duration is None:
+        raise FaultSpecError(clause, "delay needs for=SECONDS")
+    if action == "status503" and point != HEADERS:
+        raise FaultSpecError(clause, "status503 is only valid at @headers")
+    return Clause(
+        action=action,  # type: ignore[arg-type]
+        point=point,
+        attempts=attempts,
+        replicas=replicas,
+        duration=duration,
+        raw=clause,
+    )
+
+
+def parse_fault_spec(spec: str | None) -> list[Clause]:
+    """Parse a whole ``x-sim-fault`` header value; ``None``/blank means no fault."""
+    if spec is None:
+        return []
+    return [parse_clause(part) for part in spec.split(";") if part.strip()]
+
+
+def parse_attempt(value: str | None) -> int | None:
+    """Parse ``x-envoy-attempt-count``; anything unparseable counts as absent."""
+    if value is None:
+        return None
+    value = value.strip()
+    return int(value) if value.isdigit() else None
+
+
+class FaultPlan:
+    """The clauses that apply to one request on one replica; each fires at most once."""
+
+    def __init__(self, clauses: Iterable[Clause], *, attempt: int | None, replica: str) -> None:
+        self._pending: list[Clause] = [c for c in clauses if c.applies_to(attempt=attempt, replica=replica)]
+        self.fired: list[Clause] = []
+
+    @property
+    def empty(self) -> bool:
+        return not self._pending
+
+    def take(self, point: Point) -> Clause | None:
+        """Return (and consume) the first pending clause at ``point``, if any."""
+        for i, clause in enumerate(self._pending):
+            if clause.point == point:
+                del self._pending[i]
+                self.fired.append(clause)
+                return clause
+        return None

@@ -1,0 +1,108 @@
+"""Parsing and selection of the simulator's ``x-sim-fault`` spec."""
+
+from __future__ import annotations
+
+import pytest
+
+from router_sidecar.sim.faults import (
+    DONE,
+    HEADERS,
+    ROLE,
+    Clause,
+    FaultPlan,
+    FaultSpecError,
+    Point,
+    after_point,
+    parse_attempt,
+    parse_clause,
+    parse_fault_spec,
+    token_point,
+)
+
+
+def test_parse_full_clause() -> None:
+    (c,) = parse_fault_spec("reset@token:3 attempt=1,3 replica=r1,r2")
+    assert c == Clause("reset", Point("token", 3), frozenset({1, 3}), frozenset({"r1", "r2"}))
+    assert c.label() == "reset@token:3"
+
+
+@pytest.mark.parametrize(
+    ("text", "point"),
+    [
+        ("exit@headers", HEADERS),
+        ("close@role", ROLE),
+        ("error@after:2", after_point(2)),
+        ("abort@token:1", token_point(1)),
+        ("stall@done", DONE),
+    ],
+)
+def test_points(text: str, point: Point) -> None:
+    assert parse_clause(text).point == point
+
+
+def test_multiple_clauses_and_blank() -> None:
+    spec = " delay@role for=0.5 ; reset@token:1 attempt=1;stall@after:2 for=1.5; "
+    clauses = parse_fault_spec(spec)
+    assert [c.label() for c in clauses] == ["delay@role", "reset@token:1", "stall@after:2"]
+    assert clauses[0].duration == 0.5 and clauses[2].duration == 1.5 and clauses[1].duration is None
+    assert parse_fault_spec(None) == [] and parse_fault_spec("  ") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("rest@token:1", "unknown action 'rest'"),
+        ("reset@tokn:1", "unknown point 'tokn:1'"),
+        ("reset@token:0", "N >= 1"),
+        ("reset@token:x", "N >= 1"),
+        ("reset@token", "unknown point 'token'"),
+        ("reset", "expected ACTION@POINT"),
+        ("reset@role atempt=1", "unknown modifier 'atempt'"),
+        ("reset@role attempt=one", "attempt="),
+        ("reset@role attempt=0", "attempt="),
+        ("reset@role attempt", "not key=value"),
+        ("reset@role for=1", "only valid with stall or delay"),
+        ("delay@role", "delay needs for=SECONDS"),
+        ("stall@role for=-1", "finite number >= 0"),
+        ("status503@token:1", "only valid at @headers"),
+        ("reset@role attempt=1 attempt=2", "given twice"),
+    ],
+)
+def test_errors_name_the_clause(spec: str, fragment: str) -> None:
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault_spec(f"close@done; {spec}")
+    assert info.value.clause == spec
+    assert spec in str(info.value) and fragment in str(info.value)
+
+
+def test_attempt_filter() -> None:
+    clauses = parse_fault_spec("reset@token:1 attempt=2")
+    assert FaultPlan(clauses, attempt=1, replica="r").empty
+    assert not FaultPlan(clauses, attempt=2, replica="r").empty
+    assert FaultPlan(clauses, attempt=None, replica="r").empty  # no header: attempt clauses never fire
+    assert not FaultPlan(parse_fault_spec("reset@token:1"), attempt=None, replica="r").empty
+
+
+def test_replica_filter() -> None:
+    clauses = parse_fault_spec("exit@headers replica=a,b")
+    assert not FaultPlan(clauses, attempt=1, replica="b").empty
+    assert FaultPlan(clauses, attempt=1, replica="c").empty
+
+
+def test_plan_fires_each_clause_once_in_order() -> None:
+    plan = FaultPlan(parse_fault_spec("delay@role for=0; reset@role; error@after:1"), attempt=1, replica="r")
+    assert plan.take(HEADERS) is None
+    first = plan.take(ROLE)
+    second = plan.take(ROLE)
+    assert first is not None and first.action == "delay"
+    assert second is not None and second.action == "reset"
+    assert plan.take(ROLE) is None
+    assert plan.take(after_point(2)) is None
+    assert [c.label() for c in plan.fired] == ["delay@role", "reset@role"]
+
+
+def test_parse_attempt() -> None:
+    assert parse_attempt("2") == 2
+    assert parse_attempt(" 1 ") == 1
+    assert parse_attempt(None) is None
+    assert parse_attempt("x") is None
