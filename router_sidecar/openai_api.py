@@ -1,0 +1,283 @@
+"""Parsing and validation of OpenAI-compatible requests at the edge (sans-IO, once per request).
+
+The gateway checks only what it needs for its own decisions (routing, first-delta accounting,
+the re-prefill cost cap, replay); everything else is the engine's business and passes through.
+A :class:`RequestRejected` is answered by the gateway before any attempt starts.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+__all__ = [
+    "ParsedRequest",
+    "RequestRejected",
+    "RouteKind",
+    "estimate_prompt_tokens",
+    "parse_request",
+    "route_kind",
+]
+
+
+class RouteKind(enum.Enum):
+    CHAT = "chat.completions"
+    COMPLETIONS = "completions"
+
+
+_ROUTES = {"/v1/chat/completions": RouteKind.CHAT, "/v1/completions": RouteKind.COMPLETIONS}
+
+
+def route_kind(path: str) -> RouteKind | None:
+    """The API a request path addresses; the query string is ignored. None: not ours to handle."""
+    return _ROUTES.get(path.partition("?")[0])
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: RouteKind
+    model: str
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    # stream_options.continuous_usage_stats (vLLM): running usage on every event. vLLM honours it
+    # only together with include_usage, so it is false without it.
+    continuous_usage: bool
+    seed: int | None
+    max_tokens: int | None  # max_tokens, else max_completion_tokens (chat)
+    has_tools: bool
+    estimated_prompt_tokens: int  # see estimate_prompt_tokens
+    input_digest: str  # "sha256:<hex>" of the raw body bytes (for replay)
+
+
+# vLLM answers with exception class names in "type"; the gateway does the same.
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}
+
+
+class RequestRejected(Exception):
+    """The HTTP answer the gateway sends before any attempt: a client error, never retried."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+    def body(self, request_id: str) -> bytes:
+        """Same shape as vLLM/OpenAI errors, plus the request id the journal knows it by."""
+        err = {
+            "message": self.message,
+            "type": _ERROR_TYPES.get(self.status, "BadRequestError"),
+            "param": self.param,
+            "code": self.code,
+            "request_id": request_id,
+        }
+        return json.dumps({"error": err}).encode("utf-8")
+
+
+def _reject(status: int, code: str, message: str, param: str | None = None) -> NoReturn:
+    raise RequestRejected(status, code, message, param)
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _opt_int(v: Any) -> int | None:
+    # Informational fields (seed, max_tokens): the engine validates them; we only record ints.
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _utf8_len(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def estimate_prompt_tokens(kind: RouteKind, req: dict[str, Any]) -> int:
+    """A deliberately cheap, upper-ish estimate of the prompt's token count.
+
+    ceil(UTF-8 bytes of all prompt text / 4): message contents (strings or ``text`` parts),
+    assistant tool-call arguments, the tool definitions' JSON, or the completions prompt(s).
+    About 4 bytes per token holds for English with a BPE vocabulary; it over-estimates for code
+    and under-estimates for CJK. Prompts given as token ids count one token per id. Non-text parts
+    (images, audio) are not counted. The estimate is used only to decide whether a re-prefill
+    is allowed (``reprefill_cost_cap``), never for billing or admission.
+    """
+    text_bytes = 0
+    token_ids = 0
+    if kind is RouteKind.CHAT:
+        messages = req.get("messages")
+        for msg in messages if isinstance(messages, list) else ():
+            if not isinstance(msg, dict):
+                continue
+            content = msg.get("content")
+            if isinstance(content, str):
+                text_bytes += _utf8_len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        text_bytes += _utf8_len(part["text"])
+            calls = msg.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    text_bytes += _utf8_len(fn["arguments"])
+    else:
+        prompt = req.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else [prompt]
+        for p in prompts:
+            if isinstance(p, str):
+                text_bytes += _utf8_len(p)
+            elif isinstance(p, list):
+                token_ids += len(p)
+    for key in ("tools", "functions"):
+        defs = req.get(key)
+        if defs:
+            text_bytes += _utf8_len(json.dumps(defs, ensure_ascii=False, separators=(",", ":")))
+    return math.ceil(text_bytes / 4) + token_ids
+
+
+def _is_token_ids(v: list[Any]) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a completions request carries (each streams its own choice)."""
+    if isinstance(prompt, list) and prompt and not _is_token_ids(prompt):
+        return len(prompt)
+    return 1
+
+
+def parse_request(
+    kind: RouteKind, body: bytes, *, max_body_bytes: int, known_models: frozenset[str] | None
+) -> ParsedRequest:
+    """Validate a request body; raise :class:`RequestRejected` with what is wrong and what to do."""
+    if len(body) > max_body_bytes:
+        _reject(
+            413,
+            "request_too_large",
+            f"the request body is {len(body)} bytes; this gateway accepts at most {max_body_bytes} bytes "
+            "(limits.max_request_body_bytes). Send a shorter prompt or ask the operator to raise the limit.",
+        )
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _reject(
+            400,
+            "invalid_json",
+            f"the request body is not UTF-8 (invalid byte at offset {exc.start}); "
+            "send JSON encoded as UTF-8.",
+        )
+    try:
+        req = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        _reject(
+            400,
+            "invalid_json",
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
+            f"(char {exc.pos}); send one JSON object.",
+        )
+    except ValueError as exc:  # NaN / Infinity: Python accepts them, JSON does not
+        _reject(400, "invalid_json", f"the request body is not valid JSON: {exc}; send one JSON object.")
+    if not isinstance(req, dict):
+        _reject(
+            400,
+            "invalid_request",
+            f"the request body must be a JSON object, got a JSON {_json_type(req)}; "
+            'send an object like {"model": ..., ...}.',
+        )
+
+    model = req.get("model")
+    if not isinstance(model, str) or not model:
+        _reject(400, "missing_model", "`model` must be a non-empty string naming a served model.", "model")
+    if known_models is not None and model not in known_models:
+        known = ", ".join(sorted(known_models)) or "(none)"
+        _reject(
+            404, "model_not_found", f"the model `{model}` does not exist. Known models: {known}.", "model"
+        )
+
+    if kind is RouteKind.CHAT:
+        messages = req.get("messages")
+        if not isinstance(messages, list) or not messages:
+            _reject(
+                400,
+                "missing_messages",
+                "a chat completion needs `messages`: a non-empty list of message objects.",
+                "messages",
+            )
+        prompts = 1
+    else:
+        if "prompt" not in req or req["prompt"] is None:
+            _reject(
+                400,
+                "missing_prompt",
+                "a completion needs `prompt`: a string, a list of strings or a list of token ids.",
+                "prompt",
+            )
+        prompts = _prompt_count(req["prompt"])
+
+    stream = req.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        _reject(400, "invalid_parameter", "`stream` must be true or false.", "stream")
+
+    n = req.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+        _reject(400, "invalid_parameter", "`n` must be an integer.", "n")
+    if stream and n is not None and n > 1:
+        _reject(
+            400,
+            "unsupported",
+            f"streaming with n={n} is not supported by this gateway: its first-delta accounting "
+            "(failover before the first delta, terminal error after it) is per single choice. "
+            "Send n=1, or send separate requests.",
+            "n",
+        )
+    if stream and prompts > 1:
+        _reject(
+            400,
+            "unsupported",
+            f"streaming a completion of {prompts} prompts is not supported by this gateway: its "
+            "first-delta accounting is per single choice. Send one prompt per streamed request.",
+            "prompt",
+        )
+
+    opts = req.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        _reject(400, "invalid_parameter", "`stream_options` must be an object.", "stream_options")
+    opts = opts or {}
+    include_usage = opts.get("include_usage") is True
+
+    tools = req.get("tools")
+    functions = req.get("functions")
+    max_tokens = req.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = req.get("max_completion_tokens")
+    return ParsedRequest(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=include_usage and opts.get("continuous_usage_stats") is True,
+        seed=_opt_int(req.get("seed")),
+        max_tokens=_opt_int(max_tokens),
+        has_tools=bool(tools) or bool(functions),
+        estimated_prompt_tokens=estimate_prompt_tokens(kind, req),
+        input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
+    )
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, bool):
+        return "boolean"
+    if v is None:
+        return "null"
+    return "number"
