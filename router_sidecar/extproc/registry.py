@@ -1,0 +1,48 @@
+"""Where the two filter placements meet: live logical requests, keyed by request id.
+
+The downstream servicer registers a request once it is admitted; each upstream (attempt) stream finds it
+by the `request.id` attribute, which the downstream filter has set to the logical request id. Envoy's
+access-log entries land here too, so a torn-down stream can be classified (client gone or upstream reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from router_sidecar.request import DownstreamLoss, LogicalRequest
+
+
+@dataclass(slots=True)
+class Live:
+    request: LogicalRequest
+    loss_cause: DownstreamLoss | None = None
+    access_logged: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._live: dict[str, Live] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, request: LogicalRequest) -> Live | None:
+        """Register; returns None when the id is already live (the caller answers 409)."""
+        if request.request_id in self._live:
+            return None
+        live = self._live[request.request_id] = Live(request)
+        return live
+
+    def get(self, request_id: str) -> Live | None:
+        return self._live.get(request_id)
+
+    def remove(self, live: Live) -> None:
+        if self._live.get(live.request.request_id) is live:
+            del self._live[live.request.request_id]
+
+    def note_access_log(self, request_id: str, cause: DownstreamLoss | None) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.loss_cause = cause
+            live.access_logged.set()

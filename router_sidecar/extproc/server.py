@@ -1,0 +1,89 @@
+"""The sidecar process: one grpc.aio server serving both ext_proc placements and Envoy's access log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from router_sidecar.extproc.access_log import AccessLogServicer
+from router_sidecar.extproc.downstream import DownstreamStream
+from router_sidecar.extproc.registry import Registry
+from router_sidecar.extproc.upstream import UpstreamStream
+from router_sidecar.journal import Journal
+from router_sidecar.policy import Policy
+from router_sidecar.store import Store
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_METADATA = "x-router-sidecar-placement"
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    """Dispatches each ext_proc stream to the servicer of its filter placement (from initial metadata)."""
+
+    def __init__(self, *, policy: Policy, registry: Registry, journal: Journal) -> None:
+        self._policy = policy
+        self._registry = registry
+        self._journal = journal
+
+    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        placement = dict(context.invocation_metadata() or ()).get(PLACEMENT_METADATA)
+        if placement == "downstream":
+            await DownstreamStream(policy=self._policy, registry=self._registry, journal=self._journal).run(
+                context
+            )
+        elif placement == "upstream":
+            await UpstreamStream(registry=self._registry, journal=self._journal).run(context)
+        else:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"missing or unknown {PLACEMENT_METADATA} metadata: {placement!r}",
+            )
+
+
+def check_bind_address(address: str) -> None:
+    """ext_proc carries every request and response: it listens on a unix socket or loopback only."""
+    if address.startswith("unix:"):
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve sidecar bind address {address!r}: {exc}") from exc
+    import ipaddress
+
+    if not all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos):
+        raise ValueError(f"the sidecar listens on a unix socket or loopback only, not {address!r}")
+
+
+class SidecarServer:
+    def __init__(self, *, bind: str, policy: Policy, store: Store, gateway_id: str) -> None:
+        check_bind_address(bind)
+        self.bind = bind
+        self.registry = Registry()
+        self.journal = Journal(
+            store, retention_seconds=policy.journal.retention_seconds, gateway_id=gateway_id
+        )
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(policy=policy, registry=self.registry, journal=self.journal), self._server
+        )
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
+
+    async def start(self) -> None:
+        if self.bind.startswith("unix:"):
+            path = self.bind[len("unix:") :]
+            if os.path.exists(path):
+                os.unlink(path)
+        if self._server.add_insecure_port(self.bind) == 0 and not self.bind.startswith("unix:"):
+            raise OSError(f"cannot listen on {self.bind}")
+        await self._server.start()
+        log.info("sidecar serving ext_proc on %s", self.bind)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self._server.stop(grace)

@@ -1,0 +1,171 @@
+"""The request journal: one etcd record per logical request, queryable by request id.
+
+The record answers, during an incident, whether the router had the right to re-send the input
+(`first_delta_sent`), and afterwards what the client got (`delivered_output_tokens`, `outcome`). It is a
+view of the logical request plus the ordered trace of its named events.
+
+Writes for one request are serialised and coalesced (the latest state wins), except `write_ahead`, which
+returns only once that state is durable. Records expire with a retention lease shared by all records
+written in the same time bucket, so the journal costs one lease per bucket, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from router_sidecar.request import TERMINAL_PHASES, LogicalRequest, Phase
+from router_sidecar.store import Lease, Store, StoreUnavailable, keys
+
+log = logging.getLogger(__name__)
+
+
+class ClaimConflict(Exception):
+    """The request id is already taken by a logical request that may not be re-run."""
+
+    def __init__(self, existing: dict[str, Any]) -> None:
+        super().__init__(existing.get("request_id"))
+        self.existing = existing
+
+    @property
+    def in_flight(self) -> bool:
+        return existing_phase(self.existing) not in TERMINAL_PHASES
+
+
+def existing_phase(record: dict[str, Any]) -> Phase | None:
+    try:
+        return Phase(record.get("phase"))
+    except ValueError:
+        return None
+
+
+class _Entry:
+    __slots__ = ("dirty", "lock", "released", "trace")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.trace: list[dict[str, Any]] = []
+        self.dirty = False
+        self.released = False  # the request left this gateway: drop the entry once it is written
+
+
+class Journal:
+    def __init__(self, store: Store, *, retention_seconds: int, gateway_id: str) -> None:
+        self._store = store
+        self._retention = retention_seconds
+        self._gateway_id = gateway_id
+        self._entries: dict[str, _Entry] = {}
+        self._lease: Lease | None = None
+        self._lease_bucket = -1.0
+
+    async def claim(self, request: LogicalRequest) -> None:
+        """Create the record if the id is free (or held by a failed run that delivered nothing).
+
+        Raises ClaimConflict when another logical request holds the id; StoreUnavailable when etcd is down.
+        """
+        entry = self._entry(request)
+        self._take_events(request, entry)
+        key = keys.request(request.tenant, request.request_id)
+        value = self._encode(request, entry)
+        existing = await self._store.create(key, value, await self._retention_lease())
+        if existing is None:
+            return
+        try:
+            record = json.loads(existing)
+        except ValueError:
+            record = {"request_id": request.request_id, "phase": None}
+        phase = existing_phase(record)
+        # A run that failed before any content may be re-run under the same key: the client saw nothing.
+        if phase is Phase.FAILED and not record.get("first_delta_sent"):
+            await self._store.put(key, value, await self._retention_lease())
+            return
+        self._entries.pop(self._key(request), None)  # the id belongs to someone else: keep nothing
+        raise ClaimConflict(record)
+
+    async def write_ahead(self, request: LogicalRequest) -> None:
+        """Persist the current state and return only once it is durable (raises StoreUnavailable)."""
+        entry = self._entry(request)
+        self._take_events(request, entry)
+        async with entry.lock:
+            entry.dirty = False
+            await self._put(request, entry)
+
+    def update(self, request: LogicalRequest) -> None:
+        """Persist the current state in the background (coalesced); errors are logged, not raised."""
+        entry = self._entry(request)
+        self._take_events(request, entry)
+        if entry.dirty:
+            return
+        entry.dirty = True
+        asyncio.get_running_loop().create_task(self._flush(request, entry))
+
+    def release(self, request: LogicalRequest) -> None:
+        """The request is done on this gateway: free its entry once its last write has gone out."""
+        entry = self._entries.get(self._key(request))
+        if entry is None:
+            return
+        entry.released = True
+        if not entry.dirty and not entry.lock.locked():
+            self._entries.pop(self._key(request), None)
+
+    async def lookup(self, tenant: str, request_id: str) -> dict[str, Any] | None:
+        raw = await self._store.get(keys.request(tenant, request_id))
+        return None if raw is None else json.loads(raw)
+
+    async def _flush(self, request: LogicalRequest, entry: _Entry) -> None:
+        async with entry.lock:
+            if not entry.dirty:
+                return
+            entry.dirty = False
+            try:
+                await self._put(request, entry)
+            except StoreUnavailable as exc:
+                log.error("journal: could not record request %s: %s", request.request_id, exc)
+        if entry.released and not entry.dirty:
+            self._entries.pop(self._key(request), None)
+
+    async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
+        value = self._encode(request, entry)
+        await self._store.put(
+            keys.request(request.tenant, request.request_id), value, await self._retention_lease()
+        )
+
+    def view(self, request: LogicalRequest) -> dict[str, Any]:
+        """The record as it would be stored now (for look-ups of requests still in flight here)."""
+        entry = self._entry(request)
+        self._take_events(request, entry)
+        record = request.journal_view()
+        record["gateway"] = self._gateway_id
+        record["updated_at"] = round(time.time(), 6)
+        record["events"] = list(entry.trace)
+        return record
+
+    def _encode(self, request: LogicalRequest, entry: _Entry) -> bytes:
+        return json.dumps(self.view(request), separators=(",", ":")).encode()
+
+    def _take_events(self, request: LogicalRequest, entry: _Entry) -> None:
+        now = time.time()
+        entry.trace.extend(event.as_record(now) for event in request.drain_events())
+
+    def _entry(self, request: LogicalRequest) -> _Entry:
+        key = self._key(request)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+        return entry
+
+    @staticmethod
+    def _key(request: LogicalRequest) -> str:
+        return f"{request.tenant}/{request.request_id}"
+
+    async def _retention_lease(self) -> Lease:
+        # One lease per bucket of a tenth of the retention period; records live between 1.0x and 1.1x of it.
+        bucket_seconds = max(1.0, self._retention / 10)
+        bucket = time.time() // bucket_seconds
+        if self._lease is None or bucket != self._lease_bucket:
+            self._lease = await self._store.grant_lease(int(self._retention + bucket_seconds))
+            self._lease_bucket = bucket
+        return self._lease

@@ -1,0 +1,156 @@
+"""Child processes (Envoy, etcd, simulated replicas): start in their own process group, stop for sure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class ProcessFailed(Exception):
+    pass
+
+
+class Child:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # own process group: a stop kills helpers it forked too
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(timeout)
+        else:
+            self.signal(signal.SIGKILL)  # leftovers of the group, if any
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    child: Child | None = None,
+    interval: float = 0.02,
+) -> None:
+    """Poll `predicate` until it holds; fail with `what` (and the child's log tail) at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if child is not None and not child.alive():
+            raise ProcessFailed(
+                f"{child.name} exited with {child.proc.returncode} while waiting for {what}:\n{child.tail()}"
+            )
+        time.sleep(interval)
+    tail = f"\n{child.tail()}" if child else ""
+    raise ProcessFailed(f"timed out after {timeout}s waiting for {what}{tail}")
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return bool(200 <= response.status < 300)
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def find_etcd() -> str:
+    import shutil
+
+    for candidate in (os.environ.get("ROUTER_SIDECAR_ETCD"), shutil.which("etcd"), "/usr/bin/etcd"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise ProcessFailed(
+        "etcd not found: run `make setup` (installs Debian's etcd-server) or put etcd on PATH"
+    )
+
+
+def start_etcd(
+    data_dir: Path, *, host: str = "127.0.0.1", client_port: int | None = None, log_path: Path | None = None
+) -> tuple[Child, str]:
+    """A throw-away single-member etcd on loopback (tests, demo). Returns the child and HOST:PORT."""
+    client_port = client_port or free_port(host)
+    peer_port = free_port(host)
+    argv = [
+        find_etcd(),
+        "--name",
+        "router-sidecar-local",
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        f"http://{host}:{client_port}",
+        "--advertise-client-urls",
+        f"http://{host}:{client_port}",
+        "--listen-peer-urls",
+        f"http://{host}:{peer_port}",
+        "--initial-advertise-peer-urls",
+        f"http://{host}:{peer_port}",
+        "--initial-cluster",
+        f"router-sidecar-local=http://{host}:{peer_port}",
+        "--log-level",
+        "warn",
+    ]
+    child = Child("etcd", argv, log_path=log_path)
+    endpoint = f"{host}:{client_port}"
+    wait_until(
+        lambda: http_ok(f"http://{endpoint}/health"), timeout=20, what=f"etcd on {endpoint}", child=child
+    )
+    return child, endpoint

@@ -1,0 +1,259 @@
+"""Test harness: real etcd, real Envoy (through `router-sidecar gateway`), simulated replicas, an HTTP client.
+
+Everything listens on 127.0.0.1; every process is started in its own group and stopped by its fixture.
+Waiting is by polling with a deadline, never by fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router_sidecar.supervise import Child, free_port, port_open, wait_until
+
+PYTHON = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Sim:
+    """One simulated replica process with its request log."""
+
+    def __init__(
+        self, name: str, work: Path, *, prefill_delay: float = 0.02, token_interval: float = 0.005
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.log_path = work / f"sim-{name}.jsonl"
+        self.out_path = work / f"sim-{name}.out"
+        self._args = ["--prefill-delay", str(prefill_delay), "--token-interval", str(token_interval)]
+        self.child: Child | None = None
+        self.start()
+
+    def start(self) -> None:
+        argv = [
+            PYTHON,
+            "-m",
+            "router_sidecar.sim",
+            "--listen",
+            self.endpoint,
+            "--name",
+            self.name,
+            "--log",
+            str(self.log_path),
+            *self._args,
+        ]
+        self.child = Child(f"sim-{self.name}", argv, log_path=self.out_path)
+        wait_until(
+            lambda: port_open("127.0.0.1", self.port), timeout=15, what=f"sim {self.name}", child=self.child
+        )
+
+    def ensure_running(self) -> None:
+        if self.child is None or not self.child.alive():
+            if self.child is not None:
+                self.child.stop()
+            self.start()
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+    def requests_for(self, request_id: str) -> list[dict[str, Any]]:
+        return [r for r in self.records() if r.get("request_id") == request_id and r.get("event") == "end"]
+
+
+class Gateway:
+    """`router-sidecar gateway` as a subprocess, exactly as a user runs it."""
+
+    def __init__(self, *, replicas: list[str], etcd: str, work: Path, config: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.work = work
+        self.out_path = work / "gateway.out"
+        argv = [
+            PYTHON,
+            "-m",
+            "router_sidecar",
+            "gateway",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--etcd",
+            etcd,
+            "--work-dir",
+            str(work / "gw"),
+        ]
+        for replica in replicas:
+            argv += ["--replica", replica]
+        if config is not None:
+            argv += ["--config", str(config)]
+        self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._out, start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 40.0) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        seen = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                seen += line
+                if b"ready" in line:
+                    return
+            if self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"gateway did not become ready: {seen!r}\n{self.out_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._out.close()
+
+    def journal(self, request_id: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        response = httpx.get(f"{self.url}/v1/requests/{request_id}", headers=headers or {}, timeout=5)
+        return response.status_code, response.json()
+
+    def wait_journal(
+        self,
+        request_id: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        *,
+        timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status, last = self.journal(request_id, headers)
+            if status == 200 and predicate(last):
+                return last
+            time.sleep(0.02)
+        raise AssertionError(f"journal of {request_id} never matched; last: {json.dumps(last, indent=1)}")
+
+
+@dataclass
+class ClientResult:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    transport_error: str | None = None
+    events: list[bytes] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("x-request-id", "")
+
+    def data(self) -> list[Any]:
+        """Payloads of the SSE events the client received: parsed JSON, or the literal `[DONE]`."""
+        out: list[Any] = []
+        for event in self.events:
+            lines = [ln[5:].lstrip() for ln in event.splitlines() if ln.startswith(b"data:")]
+            if not lines:
+                continue
+            payload = b"\n".join(lines)
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+        return out
+
+    def content_chunks(self) -> list[dict[str, Any]]:
+        return [
+            d
+            for d in self.data()
+            if isinstance(d, dict) and d.get("choices") and _has_content(d["choices"][0])
+        ]
+
+    def completion_ids(self) -> set[str]:
+        return {d["id"] for d in self.data() if isinstance(d, dict) and "id" in d}
+
+
+def _has_content(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(
+        delta.get("content")
+        or delta.get("tool_calls")
+        or delta.get("reasoning_content")
+        or choice.get("text")
+    )
+
+
+def split_events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+
+
+def post(
+    url: str,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    stop_after_content_events: int | None = None,
+) -> ClientResult:
+    """POST and read the whole response as raw bytes; a transport error is recorded, not raised."""
+    raw = b""
+    status, response_headers, error = 0, {}, None
+    with httpx.Client(timeout=timeout) as client:
+        try:
+            with client.stream("POST", url, json=body, headers=headers or {}) as response:
+                status, response_headers = response.status_code, dict(response.headers)
+                for chunk in response.iter_raw():
+                    raw += chunk
+                    if stop_after_content_events is not None:
+                        got = ClientResult(status, {}, raw, events=split_events(raw)).content_chunks()
+                        if len(got) >= stop_after_content_events:
+                            break  # leaving the with-block closes the connection: a client disconnect
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return ClientResult(status, response_headers, raw, error, split_events(raw))
+
+
+def chat(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say something"}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def poll(predicate: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def no_overlapping_content(result: ClientResult) -> None:
+    """Invariant 1: every chunk the client got belongs to one completion (one attempt)."""
+    ids = {d["id"] for d in result.content_chunks()}
+    assert len(ids) <= 1, f"content from several attempts reached the client: {ids}"
+
+
+def iter_attempt_ids(journal: dict[str, Any]) -> Iterator[str]:
+    for attempt in journal.get("attempts", []):
+        yield attempt["attempt_id"]
