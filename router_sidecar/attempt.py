@@ -71,6 +71,11 @@ AttemptDecision = Hold | Release | PassThrough | AttemptFailed
 _COMPLETE_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
 
 
+def is_event_stream(content_type: str) -> bool:
+    # Media types are case-insensitive (RFC 9110 §8.3.1).
+    return content_type[:17].lower() == "text/event-stream"
+
+
 class Attempt:
     def __init__(self, *, request_id: str, attempt_id: str, number: int, replica: str) -> None:
         self.request_id = request_id
@@ -91,7 +96,7 @@ class Attempt:
         if status >= 300:
             self.state = AttemptState.PASSED_THROUGH
             return PassThrough(status)
-        self._streaming = content_type.startswith("text/event-stream")
+        self._streaming = is_event_stream(content_type)
         self.state = AttemptState.HOLDING
         return Hold()
 
@@ -99,7 +104,10 @@ class Attempt:
         self._expect(AttemptState.HOLDING)
         if not self._streaming:
             # A non-streamed answer is delivered whole: hold it until it is complete.
-            return Release(first_delta=True) if end_of_stream else Hold()
+            if not end_of_stream:
+                return Hold()
+            self.state = AttemptState.RELEASED
+            return Release(first_delta=True)
         for event in self._scanner.feed(chunk):
             if event.kind is EventKind.ERROR:
                 return self._fail(FailureReason.ERROR_EVENT, "in-band error event before any content")

@@ -61,11 +61,11 @@ class GatewaySpec:
 
 def find_envoy() -> str:
     """The Envoy binary: $ROUTER_SIDECAR_ENVOY, the project's .tools/envoy, or `envoy` on PATH."""
-    candidates = [
-        os.environ.get("ROUTER_SIDECAR_ENVOY"),
-        str(REPO_ROOT / ".tools/envoy/bin/envoy"),
-        shutil.which("envoy"),
-    ]
+    explicit = os.environ.get("ROUTER_SIDECAR_ENVOY")
+    # An explicit choice is never silently replaced by another binary.
+    candidates = (
+        [explicit] if explicit else [str(REPO_ROOT / ".tools/envoy/bin/envoy"), shutil.which("envoy")]
+    )
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate

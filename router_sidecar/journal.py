@@ -57,7 +57,7 @@ class Journal:
         self._store = store
         self._retention = retention_seconds
         self._gateway_id = gateway_id
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[LogicalRequest, _Entry] = {}  # by identity: one id may be re-run
         self._lease: Lease | None = None
         self._lease_bucket = -1.0
 
@@ -79,10 +79,14 @@ class Journal:
             record = {"request_id": request.request_id, "phase": None}
         phase = existing_phase(record)
         # A run that failed before any content may be re-run under the same key: the client saw nothing.
-        if phase is Phase.FAILED and not record.get("first_delta_sent"):
-            await self._store.put(key, value, await self._retention_lease())
+        # Compare-and-replace, so that of two gateways re-running it at once only one wins.
+        if (
+            phase is Phase.FAILED
+            and not record.get("first_delta_sent")
+            and await self._store.replace(key, existing, value, await self._retention_lease())
+        ):
             return
-        self._entries.pop(self._key(request), None)  # the id belongs to someone else: keep nothing
+        self._entries.pop(request, None)  # the id belongs to someone else: keep nothing
         raise ClaimConflict(record)
 
     async def write_ahead(self, request: LogicalRequest) -> None:
@@ -104,12 +108,12 @@ class Journal:
 
     def release(self, request: LogicalRequest) -> None:
         """The request is done on this gateway: free its entry once its last write has gone out."""
-        entry = self._entries.get(self._key(request))
+        entry = self._entries.get(request)
         if entry is None:
             return
         entry.released = True
         if not entry.dirty and not entry.lock.locked():
-            self._entries.pop(self._key(request), None)
+            self._entries.pop(request, None)
 
     async def lookup(self, tenant: str, request_id: str) -> dict[str, Any] | None:
         raw = await self._store.get(keys.request(tenant, request_id))
@@ -125,7 +129,7 @@ class Journal:
             except StoreUnavailable as exc:
                 log.error("journal: could not record request %s: %s", request.request_id, exc)
         if entry.released and not entry.dirty:
-            self._entries.pop(self._key(request), None)
+            self._entries.pop(request, None)
 
     async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
         value = self._encode(request, entry)
@@ -151,15 +155,10 @@ class Journal:
         entry.trace.extend(event.as_record(now) for event in request.drain_events())
 
     def _entry(self, request: LogicalRequest) -> _Entry:
-        key = self._key(request)
-        entry = self._entries.get(key)
+        entry = self._entries.get(request)
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            entry = self._entries[request] = _Entry()
         return entry
-
-    @staticmethod
-    def _key(request: LogicalRequest) -> str:
-        return f"{request.tenant}/{request.request_id}"
 
     async def _retention_lease(self) -> Lease:
         # One lease per bucket of a tenth of the retention period; records live between 1.0x and 1.1x of it.

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from router_sidecar.attempt import AttemptFailed
+from router_sidecar.attempt import AttemptFailed, is_event_stream
 from router_sidecar.events import Event, EventName
 from router_sidecar.openai_api import ParsedRequest
 from router_sidecar.policy import Policy
@@ -214,6 +214,19 @@ class LogicalRequest:
         if record.number < self.max_attempts:
             self._emit(EventName.RETRY_TRIGGERED, record.number, reason=failure.reason.value)
             return TriggerRetry(failure.reason.value)
+        return self._refuse_retry(record.number)
+
+    def admits_attempt(self) -> bool:
+        """Envoy retries resets on its own; the sidecar still decides whether another attempt may start."""
+        return self.phase is Phase.PREFILL and len(self.attempts) < self.max_attempts
+
+    def refuse_attempt(self) -> FailRequest:
+        """Envoy began an attempt beyond the budget (e.g. after a reset): end the request with an error."""
+        if self.attempts and self.attempts[-1].outcome is None:
+            self.attempts[-1].outcome, self.attempts[-1].detail = "failed", "connection_lost"
+        return self._refuse_retry(len(self.attempts))
+
+    def _refuse_retry(self, number: int) -> FailRequest:
         if not self.retry_allowed:
             code, why = (
                 Outcome.RETRY_NOT_ALLOWED,
@@ -227,7 +240,7 @@ class LogicalRequest:
                 Outcome.RETRIES_EXHAUSTED,
                 f"all {self.max_attempts} attempts failed before any content",
             )
-        self._emit(EventName.RETRY_REFUSED, record.number, reason=code.value)
+        self._emit(EventName.RETRY_REFUSED, number, reason=code.value)
         self._finish(Phase.FAILED, code)
         return FailRequest(status=502, body=self.error_body(code, why, retryable=True))
 
@@ -246,7 +259,7 @@ class LogicalRequest:
     def on_response_headers(self, status: int, content_type: str) -> None:
         r = self._response
         r.status = status
-        r.streaming = status < 300 and content_type.startswith("text/event-stream")
+        r.streaming = status < 300 and is_event_stream(content_type)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> BodyDecision:
         r = self._response
@@ -383,6 +396,12 @@ class LogicalRequest:
                 if attempt.outcome == "released":
                     attempt.outcome, attempt.detail = "failed", "lost_before_release"
         self.phase, self.outcome = phase, outcome
+        if (
+            phase in (Phase.INTERRUPTED, Phase.CANCELLED)
+            and self.attempts
+            and self.attempts[-1].outcome == "released"
+        ):
+            self.attempts[-1].outcome = phase.value  # the attempt that was publishing did not finish
         if phase is Phase.COMPLETED:
             self._emit(EventName.STREAM_COMPLETED, delivered_output_tokens=self.delivered_output_tokens)
         elif phase is Phase.FAILED:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -18,7 +18,7 @@ T = TypeVar("T")
 PREFIX = "/router-sidecar"
 
 
-class keys:  # noqa: N801 - a namespace, used as keys.request(...)
+class keys:
     @staticmethod
     def request(tenant: str, request_id: str) -> str:
         return f"{PREFIX}/requests/{tenant}/{request_id}"
@@ -37,6 +37,10 @@ class Lease:
 class Store(Protocol):
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
         """Write `value` only if `key` is absent. Returns None on success, else the existing value."""
+        ...
+
+    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
+        """Write `value` only if `key` still holds `expected`. Returns whether it was written."""
         ...
 
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None: ...
@@ -66,7 +70,7 @@ class EtcdStore:
     async def _call(self, awaitable: Awaitable[T]) -> T:
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except TimeoutError as exc:
             raise StoreUnavailable(f"etcd at {self.endpoint} did not answer within {self._timeout}s") from exc
         except Exception as exc:  # aetcd maps grpc errors to its own exception types
             if type(exc).__module__.startswith("aetcd"):
@@ -91,6 +95,18 @@ class EtcdStore:
             return None
         found = responses[0] if responses else []
         return found[0][0] if found else b""
+
+    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
+        k = key.encode()
+        tx = self._client.transactions
+        ok, _ = await self._call(
+            self._client.transaction(
+                compare=[tx.value(k) == expected],
+                success=[tx.put(k, value, lease=lease.id if lease else None)],
+                failure=[],
+            )
+        )
+        return bool(ok)
 
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
@@ -123,6 +139,12 @@ class MemoryStore:
             return self.data[key]
         self.data[key] = value
         return None
+
+    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
+        if self.data.get(key) != expected:
+            return False
+        self.data[key] = value
+        return True
 
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
         self.data[key] = value

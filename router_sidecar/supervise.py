@@ -17,6 +17,15 @@ class ProcessFailed(Exception):
     pass
 
 
+def _die_with_parent() -> None:
+    # Linux: if the supervisor is killed outright (SIGKILL, OOM), the child gets SIGKILL too, so an
+    # Envoy or a replica never outlives the process that was responsible for stopping it.
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Child:
     def __init__(
         self,
@@ -37,6 +46,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,  # own process group: a stop kills helpers it forked too
+            preexec_fn=_die_with_parent,
         )
 
     @property
@@ -150,7 +160,11 @@ def start_etcd(
     ]
     child = Child("etcd", argv, log_path=log_path)
     endpoint = f"{host}:{client_port}"
-    wait_until(
-        lambda: http_ok(f"http://{endpoint}/health"), timeout=20, what=f"etcd on {endpoint}", child=child
-    )
+    try:
+        wait_until(
+            lambda: http_ok(f"http://{endpoint}/health"), timeout=20, what=f"etcd on {endpoint}", child=child
+        )
+    except BaseException:
+        child.stop()  # never leave a half-started etcd behind
+        raise
     return child, endpoint

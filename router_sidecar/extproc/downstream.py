@@ -197,8 +197,7 @@ class DownstreamStream:
             request.retry_allowed = False
         self._live = live
         self.state = DownstreamState.TRACKING
-        retries = str(request.max_attempts - 1)
-        return m.request_body_reply(m.header_mutation([("x-envoy-max-retries", retries)]))
+        return m.request_body_reply()
 
     async def _lookup(self, request_id: str) -> m.ProcessingResponse:
         live = self._registry.get(request_id)

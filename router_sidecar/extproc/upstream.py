@@ -49,6 +49,13 @@ class UpstreamStream:
             await context.write(m.request_headers_reply())
             return
         request = live.request
+        if not request.admits_attempt():
+            refusal = request.refuse_attempt()
+            self._journal.update(request)
+            await context.write(
+                m.immediate(refusal.status, refusal.body, extra_headers=[("x-request-id", request_id)])
+            )
+            return
         replica = str(attrs.get("upstream.address") or "unknown")
         attempt_id = new_attempt_id()
         record = request.begin_attempt(attempt_id, replica)

@@ -1,0 +1,110 @@
+"""Retry budgets: the re-prefill cost cap per request, and Envoy's cluster retry budget under mass failure."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Gateway, Sim, chat, post
+
+pytestmark = pytest.mark.integration
+
+POLICY = """
+reprefill_cost_cap:
+  max_prompt_tokens: 50
+budgets:
+  retry_budget_percent: 1
+  min_retry_concurrency: 1
+"""
+
+
+@pytest.fixture(scope="module")
+def capped_gateway(
+    etcd: str, sims: dict[str, Sim], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    work: Path = tmp_path_factory.mktemp("capped")
+    config = work / "policy.yaml"
+    config.write_text(POLICY)
+    gw = Gateway(replicas=[s.endpoint for s in sims.values()], etcd=etcd, work=work, config=config)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def long_prompt_chat(**extra: object) -> dict[str, object]:
+    # ~100 estimated tokens (400 bytes / 4): over the cap of 50.
+    return {**chat(max_tokens=3), "messages": [{"role": "user", "content": "word " * 80}], **extra}
+
+
+def test_a_request_over_the_cost_cap_is_served(capped_gateway: Gateway) -> None:
+    result = post(f"{capped_gateway.url}/v1/chat/completions", long_prompt_chat())
+    assert result.status == 200 and result.data()[-1] == "[DONE]"
+    journal = capped_gateway.wait_journal(result.request_id, lambda j: j["phase"] == "completed")
+    accepted = journal["events"][0]
+    assert accepted["event"] == "request_accepted" and accepted["retry_allowed"] is False
+    assert accepted["estimated_prompt_tokens"] > 50
+
+
+@pytest.mark.parametrize("fault", ["status503@headers attempt=1", "reset@token:1 attempt=1"])
+def test_a_request_over_the_cost_cap_is_never_retried(
+    capped_gateway: Gateway, sims: dict[str, Sim], fault: str
+) -> None:
+    result = post(
+        f"{capped_gateway.url}/v1/chat/completions", long_prompt_chat(), headers={"x-sim-fault": fault}
+    )
+    assert result.status in (502, 503)
+    assert b"data:" not in result.body
+    error = json.loads(result.body)["error"]
+    assert error["request_id"] == result.request_id
+    if fault.startswith("status503"):
+        assert error["code"] == "retry_not_allowed" and "cost cap" in error["message"]
+    journal = capped_gateway.wait_journal(result.request_id, lambda j: j["phase"] == "failed")
+    assert journal["attempt"] == 1
+    assert len([r for s in sims.values() for r in s.requests_for(result.request_id)]) == 1
+
+
+def test_small_prompts_still_retry_under_the_same_policy(capped_gateway: Gateway) -> None:
+    result = post(
+        f"{capped_gateway.url}/v1/chat/completions",
+        chat(max_tokens=3),
+        headers={"x-sim-fault": "reset@token:1 attempt=1"},
+    )
+    assert result.status == 200 and len(result.content_chunks()) == 3
+    journal = capped_gateway.wait_journal(result.request_id, lambda j: j["phase"] == "completed")
+    assert journal["attempt"] == 2
+
+
+def test_mass_failure_is_bounded_by_the_cluster_retry_budget(capped_gateway: Gateway) -> None:
+    # Every first attempt fails (slowly, so they overlap); with a budget of max(1% of active, 1) concurrent
+    # retries, Envoy refuses most retries instead of doubling the load on the pool.
+    def one(_: int) -> int:
+        headers = {"x-sim-fault": "delay@role for=0.4; reset@role attempt=1"}
+        return post(f"{capped_gateway.url}/v1/chat/completions", chat(max_tokens=2), headers=headers).status
+
+    before = retry_counters(capped_gateway)
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        statuses = list(pool.map(one, range(10)))
+    after = retry_counters(capped_gateway)
+    overflow = after["upstream_rq_retry_overflow"] - before["upstream_rq_retry_overflow"]
+    retried = after["upstream_rq_retry"] - before["upstream_rq_retry"]
+    assert overflow >= 1, after
+    assert retried + overflow == 10 and statuses.count(200) == retried, (statuses, after)
+    # The refused ones get an honest error (the replica's reset, reported by Envoy), never a partial body.
+    assert all(s in (200, 502, 503) for s in statuses), statuses
+
+
+def retry_counters(gateway: Gateway) -> dict[str, int]:
+    admin = (gateway.work / "gw" / "admin-address").read_text().strip()
+    stats = (
+        urllib.request.urlopen(f"http://{admin}/stats?filter=cluster.llm.upstream_rq_retry").read().decode()
+    )
+    return {
+        k.removeprefix("cluster.llm."): int(v)
+        for k, v in (ln.split(": ") for ln in stats.strip().splitlines())
+    }

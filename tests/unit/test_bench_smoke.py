@@ -1,0 +1,109 @@
+"""bench/: plain-Envoy config derivation, the upstream's events, the client's parser (no Envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from bench import sse_upstream, stream_overhead
+from router_sidecar.envoy_config import Endpoint, GatewaySpec, render
+from router_sidecar.policy import load_policy
+from router_sidecar.sse import EventKind, SseScanner
+
+
+def _rendered() -> str:
+    spec = GatewaySpec(
+        listen=Endpoint("127.0.0.1", 18080),
+        replicas=(Endpoint("127.0.0.1", 19001),),
+        sidecar_socket=Path("/tmp/x.sock"),
+        access_log_path=Path("/tmp/access.log"),
+        policy=load_policy(None),
+    )
+    return render(spec)
+
+
+def test_plain_config_drops_only_the_sidecar_parts() -> None:
+    config = stream_overhead.plain_envoy_config(_rendered())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
+    assert [a["name"] for a in hcm["access_log"]] == ["envoy.access_loggers.file"]
+    assert "retry_policy" in hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    options = clusters["llm"]["typed_extension_protocol_options"]
+    assert all("http_filters" not in o for o in options.values())
+    assert clusters["llm"]["circuit_breakers"]["thresholds"][0]["max_retries"] == 64
+
+
+def test_upstream_events_are_what_the_sidecar_counts() -> None:
+    events = SseScanner().feed(
+        sse_upstream.ROLE_EVENT
+        + sse_upstream.content_event(time.monotonic_ns())
+        + sse_upstream.FINISH_EVENT
+        + sse_upstream.DONE_EVENT
+    )
+    kinds = [e.kind for e in events]
+    assert kinds == [EventKind.NON_CONTENT, EventKind.CONTENT, EventKind.NON_CONTENT, EventKind.DONE]
+    assert events[2].finish_reason == "stop"
+    assert 140 <= len(sse_upstream.content_event(time.monotonic_ns())) <= 160
+
+
+class _Transport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_client_parses_chunked_stream_split_anywhere() -> None:
+    stamps = [1_000 + i for i in range(50)]
+    body = sse_upstream.http_chunk(sse_upstream.ROLE_EVENT)
+    body += b"".join(sse_upstream.http_chunk(sse_upstream.content_event(t)) for t in stamps)
+    body += sse_upstream.http_chunk(sse_upstream.FINISH_EVENT + sse_upstream.DONE_EVENT) + b"0\r\n\r\n"
+    wire = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
+
+    async def run() -> stream_overhead.StreamResult:
+        conn = stream_overhead._ClientConn()
+        conn.connection_made(cast(Any, _Transport()))
+        result, finished = conn.start(b"request")
+        rng = random.Random(7)
+        pos = 0
+        while pos < len(wire):
+            step = rng.randint(1, 300)
+            conn.data_received(wire[pos : pos + step])
+            pos += step
+        assert finished.done()
+        return result
+
+    result = asyncio.run(run())
+    assert result.error is None and result.done and result.status == 200
+    assert len(result.latencies_ns) == len(stamps)
+    assert result.ttfd_ns is not None
+
+
+def test_upstream_and_client_end_to_end() -> None:
+    async def run() -> list[stream_overhead.StreamResult]:
+        server = await asyncio.start_server(lambda r, w: sse_upstream._handle(r, w, 0.0), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = stream_overhead.Client(port)
+        try:
+            # Two streams, one keep-alive connection.
+            return [await client.stream(100, timeout=10) for _ in range(2)]
+        finally:
+            client.close()
+            server.close()
+            await server.wait_closed()
+
+    for result in asyncio.run(run()):
+        assert result.error is None and result.done
+        assert len(result.latencies_ns) == 100
+        assert all(0 < x < 5_000_000_000 for x in result.latencies_ns)
+
+
+def test_percentile_interpolates() -> None:
+    assert stream_overhead.percentile([], 50) is None
+    assert stream_overhead.percentile([1, 2, 3, 4], 50) == 2.5
+    assert stream_overhead.percentile([5], 99) == 5
