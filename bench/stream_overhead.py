@@ -1,0 +1,693 @@
+"""What the gateway adds to a token stream: plain Envoy vs. Envoy + sidecar, measured in one run.
+
+Both setups front the same bench upstream (bench/sse_upstream.py) with the same listener, route and
+cluster; the plain one is the gateway's own rendered config minus the ext_proc filters and the gRPC
+access logger. Streams alternate between the two setups, so drift of the machine hits both alike.
+Per content chunk: receive time − send time (both CLOCK_MONOTONIC, system-wide on Linux); per stream:
+time from sending the request to the first content chunk. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from router_sidecar.envoy_config import Endpoint, GatewaySpec, find_envoy, render
+from router_sidecar.policy import load_policy
+from router_sidecar.supervise import (
+    Child,
+    ProcessFailed,
+    free_port,
+    http_ok,
+    port_open,
+    start_etcd,
+    wait_until,
+)
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+HOST = "127.0.0.1"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_TS_RE = re.compile(rb'"content":"(\d+)')
+_DONE = b"data: [DONE]"
+IDLE_SECONDS = 2.0
+
+
+# --- plain Envoy config ------------------------------------------------------------------------
+
+
+def plain_envoy_config(rendered: str) -> dict[str, Any]:
+    """The gateway's config without the sidecar's part: no ext_proc (either placement), no gRPC access log."""
+    config: dict[str, Any] = yaml.safe_load(rendered)
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net_filter in chain["filters"]:
+                hcm = net_filter["typed_config"]
+                hcm["http_filters"] = [
+                    f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+                ]
+                hcm["access_log"] = [
+                    a for a in hcm.get("access_log", []) if a["name"] != "envoy.access_loggers.http_grpc"
+                ]
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "llm":
+            for options in cluster.get("typed_extension_protocol_options", {}).values():
+                options.pop("http_filters", None)
+    return config
+
+
+# --- client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    sent_ns: int = 0
+    first_content_ns: int | None = None
+    latencies_ns: list[int] = field(default_factory=list)
+    done: bool = False
+    status: int = 0
+    error: str | None = None
+
+    @property
+    def ttfd_ns(self) -> int | None:
+        return None if self.first_content_ns is None else self.first_content_ns - self.sent_ns
+
+
+class _ClientConn(asyncio.Protocol):
+    """HTTP/1.1 keep-alive client for one stream at a time; stamps every read as it arrives.
+
+    A Protocol rather than streams: the receive time is taken in data_received itself, with no extra
+    task wake-up between the socket read and the timestamp.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._result = StreamResult()
+        self._finished: asyncio.Future[None] | None = None
+        self._buf = bytearray()
+        self._events = bytearray()
+        self._state = "idle"  # head, size, data, crlf, trailer, length, idle
+        self._remaining = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._finish(f"connection closed in state {self._state}: {exc}" if self._state != "idle" else None)
+
+    def start(self, request: bytes) -> tuple[StreamResult, asyncio.Future[None]]:
+        assert self.transport is not None and self._state == "idle"
+        self._result = StreamResult()
+        self._finished = asyncio.get_running_loop().create_future()
+        self._buf.clear()
+        self._events.clear()
+        self._state = "head"
+        self._result.sent_ns = time.monotonic_ns()
+        self.transport.write(request)
+        return self._result, self._finished
+
+    def _finish(self, error: str | None = None) -> None:
+        if error and self._result.error is None:
+            self._result.error = error
+        self._state = "idle"
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic_ns()
+        if self._state == "idle":
+            return
+        self._buf += data
+        while self._state != "idle" and self._step(now):
+            pass
+        self._scan_events(now)
+
+    def _step(self, now: int) -> bool:
+        """Advance the HTTP parser by one element; False: need more bytes (or done)."""
+        buf = self._buf
+        if self._state == "head":
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return False
+            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+            del buf[: end + 4]
+            self._result.status = int(lines[0].split()[1])
+            headers = {
+                k.strip().lower(): v.strip().lower() for k, _, v in (ln.partition(":") for ln in lines[1:])
+            }
+            if "chunked" in headers.get("transfer-encoding", ""):
+                self._state = "size"
+            else:
+                self._remaining = int(headers.get("content-length", "0"))
+                self._state = "length"
+            return True
+        if self._state == "size":
+            end = buf.find(b"\r\n")
+            if end < 0:
+                return False
+            size = int(bytes(buf[:end]).split(b";")[0], 16)
+            del buf[: end + 2]
+            self._remaining = size
+            self._state = "data" if size else "trailer"
+            return True
+        if self._state in ("data", "length"):
+            if self._remaining and not buf:
+                return False
+            take = min(self._remaining, len(buf))
+            self._events += buf[:take]
+            del buf[:take]
+            self._remaining -= take
+            if self._remaining == 0:
+                if self._state == "length":
+                    self._end_response(now)
+                    return False
+                self._state = "crlf"
+            return True
+        if self._state == "crlf":
+            if len(buf) < 2:
+                return False
+            del buf[:2]
+            self._state = "size"
+            return True
+        if self._state == "trailer":
+            if buf.startswith(b"\r\n"):
+                del buf[:2]
+            else:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return False
+                del buf[: end + 4]
+            self._end_response(now)
+        return False
+
+    def _scan_events(self, now: int) -> None:
+        end = self._events.rfind(b"\n\n")
+        if end < 0:
+            return
+        complete = bytes(self._events[: end + 2])
+        del self._events[: end + 2]
+        result = self._result
+        for match in _TS_RE.finditer(complete):
+            result.latencies_ns.append(now - int(match.group(1)))
+        if result.first_content_ns is None and result.latencies_ns:
+            result.first_content_ns = now
+        if _DONE in complete:
+            result.done = True
+        if b'{"error"' in complete and result.error is None:
+            result.error = "in-band error: " + complete[complete.find(b'{"error"') :][:300].decode(
+                errors="replace"
+            )
+
+    def _end_response(self, now: int) -> None:
+        self._scan_events(now)
+        if self._result.status != 200:
+            body = bytes(self._events[:300]).decode(errors="replace")
+            self._finish(f"HTTP {self._result.status}: {body}")
+        else:
+            self._finish(None if self._result.done else "stream ended without data: [DONE]")
+
+
+def _request(port: int, chunks: int) -> bytes:
+    body = json.dumps(
+        {
+            "model": "bench",
+            "messages": [{"role": "user", "content": "bench"}],
+            "stream": True,
+            "max_tokens": chunks,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
+        f"accept: text/event-stream\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class Client:
+    """One keep-alive connection to one setup; reconnects when the server closed it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._conn: _ClientConn | None = None
+
+    async def stream(self, chunks: int, timeout: float) -> StreamResult:
+        loop = asyncio.get_running_loop()
+        if self._conn is None or self._conn.lost:
+            _, self._conn = await asyncio.wait_for(loop.create_connection(_ClientConn, HOST, self.port), 5)
+        result, finished = self._conn.start(_request(self.port, chunks))
+        try:
+            await asyncio.wait_for(finished, timeout)
+        except TimeoutError:
+            result.error = f"timed out after {timeout:.0f}s"
+            self.close()
+        if result.error:
+            self.close()  # the connection's state is unknown now: start over on a fresh one
+        return result
+
+    def close(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        self._conn = None
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads, not its children) from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def machine_busy_seconds() -> float:
+    """user + nice + system time of the whole machine (all cores) from /proc/stat.
+
+    Interrupt time is left out: it is charged to no process, so it would count as "others".
+    """
+    user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split(maxsplit=4)[1:4])
+    return (user + nice + system) / _CLK_TCK
+
+
+def child_pid(parent: int, comm: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == parent and name == comm:
+            return int(entry.name)
+    return None
+
+
+@dataclass
+class Setup:
+    name: str
+    port: int
+    envoy_pid: int
+    sidecar_pid: int | None = None
+    streams: list[StreamResult] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds spent during its streams
+
+    def pids(self) -> dict[str, int]:
+        pids = {"envoy": self.envoy_pid}
+        if self.sidecar_pid is not None:
+            pids["sidecar"] = self.sidecar_pid
+        return pids
+
+
+def _admin_ready(admin_path: Path) -> bool:
+    address = admin_path.read_text().strip() if admin_path.exists() else ""
+    return bool(address) and http_ok(f"http://{address}/ready")
+
+
+def start_plain_envoy(envoy: str, spec: GatewaySpec, work: Path) -> Child:
+    config_path = work / "plain-envoy.yaml"
+    config_path.write_text(yaml.safe_dump(plain_envoy_config(render(spec)), sort_keys=False))
+    admin_path = work / "plain-admin-address"
+    # Same flags as router_sidecar/gateway.py starts its Envoy with.
+    argv = [envoy, "-c", str(config_path), "--disable-hot-restart", "--log-level", "warn"]
+    child = Child(
+        "plain-envoy", [*argv, "--admin-address-path", str(admin_path)], log_path=work / "plain-envoy.log"
+    )
+    wait_until(lambda: _admin_ready(admin_path), timeout=30, what="plain envoy ready", child=child)
+    return child
+
+
+def start_gateway(listen: int, upstream: int, etcd: str, work: Path) -> Child:
+    argv = [sys.executable, "-m", "router_sidecar", "gateway", "--listen", f"{HOST}:{listen}"]
+    argv += ["--replica", f"{HOST}:{upstream}", "--etcd", etcd, "--work-dir", str(work / "gateway")]
+    log = work / "gateway.out"
+    child = Child("gateway", argv, log_path=log)
+    wait_until(
+        lambda: log.exists() and "ready: gateway" in log.read_text(errors="replace"),
+        timeout=60,
+        what="gateway ready",
+        child=child,
+    )
+    return child
+
+
+def _kill_if_envoy(pid: int | None) -> None:
+    """The gateway stops its Envoy itself; this only catches an Envoy orphaned by a gateway that died."""
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "envoy":
+            os.kill(pid, signal.SIGKILL)
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+def _stream_timeout(chunks: int, interval: float) -> float:
+    return 30 + chunks * interval * 10
+
+
+async def _measured(setup: Setup, run: Callable[[], Awaitable[list[StreamResult]]]) -> list[StreamResult]:
+    before = {k: cpu_seconds(p) for k, p in setup.pids().items()}
+    out = await run()
+    for k, p in setup.pids().items():
+        setup.cpu[k] = setup.cpu.get(k, 0.0) + cpu_seconds(p) - before[k]
+    return out
+
+
+async def _parallel(clients: list[Client], chunks: int, timeout: float) -> list[StreamResult]:
+    return list(await asyncio.gather(*(c.stream(chunks, timeout) for c in clients)))
+
+
+async def run_load(setups: list[Setup], args: argparse.Namespace) -> dict[str, list[Setup]]:
+    """Sequential phase (one stream at a time), then the concurrent phase; setups alternate throughout."""
+    interval = args.interval_ms / 1000
+    timeout = _stream_timeout(args.chunks, interval)
+    warm_timeout = _stream_timeout(args.warmup_chunks, interval)
+    clients = {s.name: [Client(s.port) for _ in range(args.concurrency)] for s in setups}
+
+    async def warm_up(s: Setup, width: int) -> None:
+        # Unmeasured: opens the client and Envoy's upstream connections, and pays the sidecar's and
+        # Python's first-request costs, so the measured streams see the steady state.
+        for r in await _parallel(clients[s.name][:width], args.warmup_chunks, warm_timeout):
+            if r.error:
+                raise ProcessFailed(f"warm-up stream through {s.name} failed: {r.error}")
+
+    try:
+        phases = {"sequential": [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]}
+        for s in setups:
+            await warm_up(s, 1)
+        for i in range(args.streams):
+            for s in phases["sequential"]:
+                results = await _measured(s, lambda s=s: _parallel(clients[s.name][:1], args.chunks, timeout))
+                s.streams += results
+                _progress(f"sequential {i + 1}/{args.streams} {s.name}", results)
+        if args.concurrency > 1:
+            phases["concurrent"] = [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]
+            for s in setups:
+                await warm_up(s, args.concurrency)
+            for s in phases["concurrent"]:
+                results = await _measured(s, lambda s=s: _parallel(clients[s.name], args.chunks, timeout))
+                s.streams += results
+                _progress(f"concurrent ×{args.concurrency} {s.name}", results)
+        return phases
+    finally:
+        for cs in clients.values():
+            for c in cs:
+                c.close()
+
+
+def _progress(label: str, results: list[StreamResult]) -> None:
+    lat = [x for r in results for x in r.latencies_ns]
+    errors = [r.error for r in results if r.error]
+    note = f"  errors: {errors[0]}" if errors else ""
+    print(
+        f"  {label}: {len(lat)} chunks, p50 {_ms(percentile(lat, 50))} ms{note}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def percentile(values: list[int], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ms(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.3f}"
+
+
+def summarize(setup: Setup, chunks_per_stream: int) -> dict[str, Any]:
+    lat = [x for r in setup.streams for x in r.latencies_ns]
+    ttfd = [t for r in setup.streams if (t := r.ttfd_ns) is not None]
+    received = len(lat)
+    out: dict[str, Any] = {
+        "streams": len(setup.streams),
+        "complete_streams": sum(1 for r in setup.streams if r.done and not r.error),
+        "errors": [r.error for r in setup.streams if r.error],
+        "chunks_expected": len(setup.streams) * chunks_per_stream,
+        "chunks_received": received,
+        "latency_ns": {f"p{q}": percentile(lat, q) for q in (50, 90, 99)} | {"max": max(lat, default=None)},
+        "ttfd_ns": {f"p{q}": percentile(ttfd, q) for q in (50, 99)},
+        "cpu_seconds": dict(setup.cpu),
+        "cpu_us_per_chunk": {k: v / received * 1e6 for k, v in setup.cpu.items()} if received else {},
+    }
+    sidecar = setup.cpu.get("sidecar")
+    out["chunks_per_sidecar_cpu_second"] = received / sidecar if sidecar else None
+    return out
+
+
+_LABEL, _COL = 30, 12
+
+
+def _line(label: str, *cells: str) -> str:
+    return f"{label:<{_LABEL}}" + "".join(f"{c:>{_COL}}" for c in cells)
+
+
+def _row(label: str, plain: float | None, gateway: float | None, *, ms: bool = True) -> str:
+    if plain is None or gateway is None:
+        return _line(label, _num(plain), _num(gateway))
+    fmt: Callable[[float], str] = (lambda v: f"{v / 1e6:.3f}") if ms else (lambda v: f"{v:.1f}")
+    added = gateway - plain
+    ratio = f"{gateway / plain:.1f}×" if plain > 0 else "-"
+    return _line(label, fmt(plain), fmt(gateway), ("+" if added >= 0 else "-") + fmt(abs(added)), ratio)
+
+
+def table(phase: str, summaries: dict[str, dict[str, Any]], desc: str) -> str:
+    p, g = summaries["plain"], summaries["gateway"]
+    p_cpu, g_cpu = p["cpu_us_per_chunk"], g["cpu_us_per_chunk"]
+    lines = [
+        f"{phase}: {desc}",
+        _line("", "plain", "gateway", "added", "ratio"),
+        _row("chunk latency p50 (ms)", p["latency_ns"]["p50"], g["latency_ns"]["p50"]),
+        _row("chunk latency p99 (ms)", p["latency_ns"]["p99"], g["latency_ns"]["p99"]),
+        _row("time to first delta p50 (ms)", p["ttfd_ns"]["p50"], g["ttfd_ns"]["p50"]),
+        _row("envoy CPU (µs/chunk)", p_cpu.get("envoy"), g_cpu.get("envoy"), ms=False),
+        _line("sidecar CPU (µs/chunk)", "-", _num(g_cpu.get("sidecar"))),
+        _line("chunks per sidecar CPU-s", "-", _num(g["chunks_per_sidecar_cpu_second"], 0)),
+        _line("chunks received", _count(p), _count(g)),
+    ]
+    for name, s in (("plain", p), ("gateway", g)):
+        for err in s["errors"][:3]:
+            lines.append(f"  ! {name}: {err}")
+    return "\n".join(lines)
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _count(s: dict[str, Any]) -> str:
+    return f"{s['chunks_received']}/{s['chunks_expected']}"
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def _envoy_version(envoy: str) -> str:
+    out = subprocess.run([envoy, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"/(\d+\.\d+\.\d+)/", out)
+    return match.group(1) if match else "?"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=3, help="sequential streams per setup (default 3)")
+    parser.add_argument("--chunks", type=int, default=2000, help="content chunks per stream (default 2000)")
+    parser.add_argument("--interval-ms", type=float, default=1.0, help="gap between chunks (default 1)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=10,
+        help="parallel streams of the concurrent phase (default 10; 1 skips it)",
+    )
+    parser.add_argument(
+        "--warmup-chunks", type=int, default=200, help="chunks of the unmeasured first stream"
+    )
+    parser.add_argument("--json", type=Path, help="write the raw numbers (every per-chunk latency) here")
+    parser.add_argument(
+        "--work-dir", type=Path, help="keep configs and logs here (default: temp dir, removed)"
+    )
+    args = parser.parse_args(argv)
+    for name in ("streams", "chunks", "concurrency", "warmup_chunks"):
+        if not 1 <= getattr(args, name) <= 100_000:
+            parser.error(f"--{name.replace('_', '-')} must be 1..100000")
+    if not 0 <= args.interval_ms <= 1000:
+        parser.error("--interval-ms must be 0..1000")
+    return args
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM takes the same path as Ctrl-C: every finally block runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Line-buffered, so the table and the progress lines on stderr keep their order in a terminal.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    command = sys.orig_argv if argv is None else [sys.executable, __file__, *argv]
+    print(f"command: {shlex.join(command)}")
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    envoy = find_envoy()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:  # stops every process, in reverse start order
+            phases, sidecar_idle, others = _run(args, envoy, work, stack)
+    except KeyboardInterrupt:
+        print(f"interrupted; everything stopped (logs in {work})", file=sys.stderr)
+        return 130
+    except ProcessFailed as exc:
+        print(f"error: {exc}\n(logs kept in {work})", file=sys.stderr)
+        return 1
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(args, envoy, phases, sidecar_idle, others)
+    return 0
+
+
+def _run(
+    args: argparse.Namespace, envoy: str, work: Path, stack: contextlib.ExitStack
+) -> tuple[dict[str, list[Setup]], float, float]:
+    """Start everything (each stop registered on `stack` at once) and run the load."""
+    upstream_port = free_port(HOST)
+    upstream = Child(
+        "upstream",
+        [
+            sys.executable,
+            str(BENCH_DIR / "sse_upstream.py"),
+            "--listen",
+            f"{HOST}:{upstream_port}",
+            "--interval-ms",
+            str(args.interval_ms),
+        ],
+        log_path=work / "upstream.log",
+    )
+    stack.callback(upstream.stop)
+    wait_until(lambda: port_open(HOST, upstream_port), timeout=15, what="bench upstream", child=upstream)
+
+    etcd, etcd_endpoint = start_etcd(work / "etcd", log_path=work / "etcd.log")
+    stack.callback(etcd.stop)
+
+    plain_port = free_port(HOST)
+    spec = GatewaySpec(
+        listen=Endpoint(HOST, plain_port),
+        replicas=(Endpoint(HOST, upstream_port),),
+        sidecar_socket=work / "unused.sock",
+        access_log_path=work / "plain-access.log",
+        policy=load_policy(None),
+    )
+    plain = start_plain_envoy(envoy, spec, work)
+    stack.callback(plain.stop)
+
+    gateway_port = free_port(HOST)
+    gateway = start_gateway(gateway_port, upstream_port, etcd_endpoint, work)
+    gateway_envoy: list[int | None] = [None]
+    stack.callback(lambda: _kill_if_envoy(gateway_envoy[0]))  # runs after gateway.stop (LIFO)
+    stack.callback(lambda: gateway.stop(timeout=15))
+    # The gateway process is the sidecar; its Envoy is its child (own process group).
+    gateway_envoy[0] = child_pid(gateway.pid, "envoy")
+    if gateway_envoy[0] is None:
+        raise ProcessFailed("gateway is ready but its envoy child was not found in /proc")
+
+    setups = [
+        Setup("plain", plain_port, plain.pid),
+        Setup("gateway", gateway_port, gateway_envoy[0], gateway.pid),
+    ]
+    print(
+        f"measuring: upstream :{upstream_port}, plain envoy :{plain_port}, gateway :{gateway_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    # The sidecar's own background work (etcd lease keep-alives, timers) is in its per-chunk CPU too;
+    # measured alone here so the reader can judge how much.
+    before = cpu_seconds(gateway.pid)
+    time.sleep(IDLE_SECONDS)
+    sidecar_idle = (cpu_seconds(gateway.pid) - before) / IDLE_SECONDS
+    ours = [upstream.pid, etcd.pid, plain.pid, gateway.pid, gateway_envoy[0], os.getpid()]
+    busy_before, ours_before, t0 = machine_busy_seconds(), sum(map(cpu_seconds, ours)), time.monotonic()
+    phases = _run_async(run_load(setups, args))
+    others = machine_busy_seconds() - busy_before - (sum(map(cpu_seconds, ours)) - ours_before)
+    return phases, sidecar_idle, max(others, 0.0) / (time.monotonic() - t0)
+
+
+def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """uvloop when installed, as the sidecar uses it: less loop overhead in the client's own numbers."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _report(
+    args: argparse.Namespace, envoy: str, phases: dict[str, list[Setup]], sidecar_idle: float, others: float
+) -> None:
+    print(f"machine: {os.cpu_count()} CPUs, Envoy {_envoy_version(envoy)}, Python {sys.version.split()[0]}")
+    print(
+        f"other processes used {others * 100:.0f}% of one CPU during the load "
+        "(anything but ~0 shows up in p99 first)"
+    )
+    print(f"sidecar idle: {sidecar_idle * 1000:.1f} ms CPU per second (included in its per-chunk CPU)")
+    print(
+        "per chunk: receive − send time (CLOCK_MONOTONIC), added = gateway − plain, ratio = gateway / plain"
+    )
+    raw: dict[str, Any] = {
+        "command": sys.orig_argv,
+        "sidecar_idle_cpu_seconds_per_second": sidecar_idle,
+        "other_processes_cpu_seconds_per_second": others,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "phases": {},
+    }
+    each = f"{args.chunks} chunks, {args.interval_ms:g} ms apart"
+    descs = {
+        "sequential": f"{args.streams} stream{'s' if args.streams != 1 else ''} one after another × {each}",
+        "concurrent": f"{args.concurrency} streams at once × {each}",
+    }
+    for phase, setups in phases.items():
+        summaries = {s.name: summarize(s, args.chunks) for s in setups}
+        print()
+        print(table(phase, summaries, descs[phase]))
+        raw["phases"][phase] = {
+            s.name: summaries[s.name]
+            | {
+                "latencies_ns_per_stream": [r.latencies_ns for r in s.streams],
+                "ttfd_ns_per_stream": [r.ttfd_ns for r in s.streams],
+            }
+            for s in setups
+        }
+    if args.json:
+        args.json.write_text(json.dumps(raw))
+        print(f"\nraw numbers: {args.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
