@@ -1,4 +1,4 @@
-"""`router-sidecar`: gateway, serve, sim, demo."""
+"""`router-sidecar`: gateway, serve, replica, sim, demo."""
 
 from __future__ import annotations
 
@@ -8,13 +8,20 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from router_sidecar.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound
+from router_sidecar.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
 from router_sidecar.policy import PolicyError, load_policy
 
 
 def _endpoint(text: str) -> Endpoint:
     try:
         return Endpoint.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _tool(text: str) -> tuple[str, Endpoint]:
+    try:
+        return parse_tool(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -41,6 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gw.add_argument("--etcd", required=True, help="etcd HOST:PORT")
     gw.add_argument("--config", help="policy YAML (see policy.example.yaml); defaults apply without it")
     gw.add_argument(
+        "--tool",
+        type=_tool,
+        action="append",
+        default=[],
+        help="a tool service NAME=HOST:PORT, routed under /tools/NAME/ with idempotency by key (repeat)",
+    )
+    gw.add_argument(
         "--work-dir", help="where the rendered Envoy config, socket and logs go (default: temp dir)"
     )
 
@@ -48,6 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sv.add_argument("--bind", required=True, help="unix:/path/to.sock or 127.0.0.1:PORT (loopback only)")
     sv.add_argument("--etcd", required=True, help="etcd HOST:PORT")
     sv.add_argument("--config", help="policy YAML")
+
+    rp = sub.add_parser("replica", help="register an engine replica in etcd while it is healthy")
+    rp.add_argument("--engine", required=True, help="the engine's OpenAI-compatible HOST:PORT")
+    rp.add_argument("--advertise", required=True, help="HOST:PORT the gateways should route to")
+    rp.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    rp.add_argument("--fingerprint", help="fingerprint YAML/JSON (see fingerprint.example.yaml)")
+    rp.add_argument("--ttl", type=int, default=10, help="registration lease TTL, seconds (default 10)")
+    rp.add_argument("--interval", type=float, default=2.0, help="probe/keep-alive interval, s (default 2)")
 
     sub.add_parser(
         "sim", help="run a simulated vLLM replica (see `router-sidecar sim --help`)", add_help=False
@@ -70,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "replica":
+        from router_sidecar.replica_agent import main_async as replica_main
+
+        return _run_async(replica_main(args))
     try:
         policy = load_policy(args.config)
     except (PolicyError, OSError) as exc:
@@ -87,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 etcd=args.etcd,
                 policy=policy,
                 work_dir=Path(args.work_dir) if args.work_dir else None,
+                tools=tuple(args.tool),
             )
             return _run_async(run_gateway(options))
         return _run_async(run_sidecar_only(args.bind, args.etcd, policy))

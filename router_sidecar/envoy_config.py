@@ -5,11 +5,15 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
+from typing import Any
+
+import yaml
 
 from router_sidecar.policy import Policy
 
@@ -57,6 +61,7 @@ class GatewaySpec:
     access_log_path: Path
     policy: Policy
     admin_port: int = 0
+    tools: tuple[tuple[str, Endpoint], ...] = ()  # tool services, routed under /tools/NAME/
 
 
 def find_envoy() -> str:
@@ -107,7 +112,61 @@ def render(spec: GatewaySpec) -> str:
         "sidecar_socket": json.dumps(str(spec.sidecar_socket)),
         "access_log_path": json.dumps(str(spec.access_log_path)),
     }
-    return Template((TEMPLATE_DIR / "gateway.yaml").read_text()).substitute(values)
+    text = Template((TEMPLATE_DIR / "gateway.yaml").read_text()).substitute(values)
+    if not spec.tools:
+        return text
+    config = yaml.safe_load(text)
+    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"
+    ]["virtual_hosts"][0]["routes"]
+    clusters = config["static_resources"]["clusters"]
+    for name, endpoint in reversed(spec.tools):  # before the catch-all route to the replicas
+        routes.insert(0, _tool_route(name, p))
+        clusters.append(_tool_cluster(name, endpoint, p))
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _tool_route(name: str, policy: Policy) -> dict[str, Any]:
+    # No retry policy: a tool call is a side effect; only the caller, with its idempotency key, repeats it.
+    return {
+        "match": {"prefix": f"/tools/{name}/"},
+        "route": {"cluster": f"tool_{name}", "timeout": _seconds(policy.tools.call_timeout_seconds)},
+    }
+
+
+def _tool_cluster(name: str, endpoint: Endpoint, policy: Policy) -> dict[str, Any]:
+    return {
+        "name": f"tool_{name}",
+        "connect_timeout": _seconds(policy.deadlines.connect_seconds),
+        "type": "STATIC" if endpoint.is_ip else "STRICT_DNS",
+        "load_assignment": {
+            "cluster_name": f"tool_{name}",
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {"address": endpoint.host, "port_value": endpoint.port}
+                                }
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }
+
+
+_TOOL_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+
+def parse_tool(text: str) -> tuple[str, Endpoint]:
+    """`NAME=HOST:PORT` (from `--tool`)."""
+    name, sep, address = text.partition("=")
+    if not sep or not _TOOL_NAME.fullmatch(name):
+        raise ValueError(f"expected NAME=HOST:PORT with NAME of a-z 0-9 _ -, got {text!r}")
+    return name, Endpoint.parse(address)
 
 
 def validate(envoy: str, config_path: Path) -> None:

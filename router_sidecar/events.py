@@ -26,6 +26,12 @@ class EventName(enum.StrEnum):
     STREAM_RESET = "stream_reset"
     CLIENT_DISCONNECTED = "client_disconnected"
     REQUEST_FAILED = "request_failed"
+    TOOL_CALL_CLAIMED = "tool_call_claimed"
+    TOOL_CALL_EXECUTED = "tool_call_executed"
+    TOOL_CALL_REPLAYED = "tool_call_replayed"
+    TOOL_CALL_REFUSED = "tool_call_refused"
+    TOOL_CALL_FREED = "tool_call_freed"
+    TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class GatewayOptions:
     etcd: str
     policy: Policy
     work_dir: Path | None = None
+    tools: tuple[tuple[str, Endpoint], ...] = ()
     envoy_log_level: str = "warn"
 
 
@@ -70,6 +71,7 @@ async def run_gateway(options: GatewayOptions) -> int:
             replicas=options.replicas,
             sidecar_socket=socket_path,
             access_log_path=work_dir / "access.log",
+            tools=options.tools,
             policy=options.policy,
         )
         config_path = work_dir / "envoy.yaml"

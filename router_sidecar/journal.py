@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from router_sidecar.request import TERMINAL_PHASES, LogicalRequest, Phase
-from router_sidecar.store import Lease, Store, StoreUnavailable, keys
+from router_sidecar.store import RetentionLeases, Store, StoreUnavailable, keys
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,9 @@ class _Entry:
 class Journal:
     def __init__(self, store: Store, *, retention_seconds: int, gateway_id: str) -> None:
         self._store = store
-        self._retention = retention_seconds
         self._gateway_id = gateway_id
         self._entries: dict[LogicalRequest, _Entry] = {}  # by identity: one id may be re-run
-        self._lease: Lease | None = None
-        self._lease_bucket = -1.0
+        self._leases = RetentionLeases(store, retention_seconds)
 
     async def claim(self, request: LogicalRequest) -> None:
         """Create the record if the id is free (or held by a failed run that delivered nothing).
@@ -70,7 +68,7 @@ class Journal:
         self._take_events(request, entry)
         key = keys.request(request.tenant, request.request_id)
         value = self._encode(request, entry)
-        existing = await self._store.create(key, value, await self._retention_lease())
+        existing = await self._store.create(key, value, await self._leases.current())
         if existing is None:
             return
         try:
@@ -83,7 +81,7 @@ class Journal:
         if (
             phase is Phase.FAILED
             and not record.get("first_delta_sent")
-            and await self._store.replace(key, existing, value, await self._retention_lease())
+            and await self._store.replace(key, existing, value, await self._leases.current())
         ):
             return
         self._entries.pop(request, None)  # the id belongs to someone else: keep nothing
@@ -134,7 +132,7 @@ class Journal:
     async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
         value = self._encode(request, entry)
         await self._store.put(
-            keys.request(request.tenant, request.request_id), value, await self._retention_lease()
+            keys.request(request.tenant, request.request_id), value, await self._leases.current()
         )
 
     def view(self, request: LogicalRequest) -> dict[str, Any]:
@@ -159,12 +157,3 @@ class Journal:
         if entry is None:
             entry = self._entries[request] = _Entry()
         return entry
-
-    async def _retention_lease(self) -> Lease:
-        # One lease per bucket of a tenth of the retention period; records live between 1.0x and 1.1x of it.
-        bucket_seconds = max(1.0, self._retention / 10)
-        bucket = time.time() // bucket_seconds
-        if self._lease is None or bucket != self._lease_bucket:
-            self._lease = await self._store.grant_lease(int(self._retention + bucket_seconds))
-            self._lease_bucket = bucket
-        return self._lease

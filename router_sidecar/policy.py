@@ -26,6 +26,7 @@ __all__ = [
     "OnUpstreamFailure",
     "Policy",
     "PolicyError",
+    "ToolsPolicy",
     "UncertainLiveness",
     "load_policy",
     "policy_from_mapping",
@@ -107,6 +108,14 @@ class JournalPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolsPolicy:
+    retention_seconds: float  # how long a tool result stays replayable under its idempotency key
+    max_stored_response_bytes: int  # larger results are not kept: later calls get an error, not a re-run
+    call_timeout_seconds: float  # route timeout of a tool call
+    in_progress_wait_seconds: float  # a duplicate of a call in progress waits this long, then gets 409
+
+
+@dataclass(frozen=True, slots=True)
 class OnUpstreamFailure:
     before_first_delta: BeforeFirstDelta
     after_first_delta: AfterFirstDelta
@@ -122,6 +131,7 @@ class Policy:
     leases: Leases
     limits: Limits
     journal: JournalPolicy
+    tools: ToolsPolicy
 
     # Shortcuts: policy.before_first_delta is policy.on_upstream_failure.before_first_delta.
     @property
@@ -155,6 +165,12 @@ DEFAULT_POLICY = Policy(
     leases=Leases(attempt_ttl_seconds=10),
     limits=Limits(max_request_body_bytes=4 * 1024 * 1024),
     journal=JournalPolicy(retention_seconds=86400),
+    tools=ToolsPolicy(
+        retention_seconds=86400,
+        max_stored_response_bytes=1024 * 1024,
+        call_timeout_seconds=30,
+        in_progress_wait_seconds=0,
+    ),
 )
 
 
@@ -248,6 +264,7 @@ def policy_from_mapping(m: Any) -> Policy:
             "leases",
             "limits",
             "journal",
+            "tools",
         ),
     )
     ouf = _mapping(
@@ -384,6 +401,29 @@ def policy_from_mapping(m: Any) -> Policy:
         _number(jn, "retention_seconds", p, d.journal.retention_seconds, lo=0, open_lo=True)
     )
 
+    p = "tools"
+    tl = _mapping(
+        top.get(p),
+        p,
+        (
+            "retention_seconds",
+            "max_stored_response_bytes",
+            "call_timeout_seconds",
+            "in_progress_wait_seconds",
+        ),
+    )
+    dt = d.tools
+    tools = ToolsPolicy(
+        retention_seconds=_number(tl, "retention_seconds", p, dt.retention_seconds, lo=0, open_lo=True),
+        max_stored_response_bytes=_int(tl, "max_stored_response_bytes", p, dt.max_stored_response_bytes, 0),
+        call_timeout_seconds=_number(
+            tl, "call_timeout_seconds", p, dt.call_timeout_seconds, lo=0, open_lo=True
+        ),
+        in_progress_wait_seconds=_number(
+            tl, "in_progress_wait_seconds", p, dt.in_progress_wait_seconds, lo=0, open_lo=False
+        ),
+    )
+
     return Policy(
         on_upstream_failure=OnUpstreamFailure(
             before_first_delta=BeforeFirstDelta(require, cast(BeforeAction, action), max_attempts),
@@ -404,6 +444,7 @@ def policy_from_mapping(m: Any) -> Policy:
         leases=leases,
         limits=limits,
         journal=journal,
+        tools=tools,
     )
 
 
@@ -453,6 +494,12 @@ def policy_to_mapping(policy: Policy) -> dict[str, Any]:
         "leases": {"attempt_ttl_seconds": policy.leases.attempt_ttl_seconds},
         "limits": {"max_request_body_bytes": policy.limits.max_request_body_bytes},
         "journal": {"retention_seconds": policy.journal.retention_seconds},
+        "tools": {
+            "retention_seconds": policy.tools.retention_seconds,
+            "max_stored_response_bytes": policy.tools.max_stored_response_bytes,
+            "call_timeout_seconds": policy.tools.call_timeout_seconds,
+            "in_progress_wait_seconds": policy.tools.in_progress_wait_seconds,
+        },
     }
 
 

@@ -132,6 +132,7 @@ class LogicalRequest:
         self.first_delta_sent = False
         self.attempts: list[AttemptRecord] = []
         self.model_revision: str | None = None
+        self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
         cap = policy.reprefill_cost_cap.max_prompt_tokens
         self.retry_allowed = parsed.estimated_prompt_tokens <= cap
         self._response = _ResponseDirection()
@@ -254,6 +255,15 @@ class LogicalRequest:
         record.outcome, record.detail = "passed_through", f"status {status}"
         self._emit(EventName.RESPONSE_PASSED_THROUGH, record.number, status=status)
 
+    def attempt_number(self, attempt_id: str | None) -> int | None:
+        return next((a.number for a in self.attempts if a.attempt_id == attempt_id), None)
+
+    def note_tool_call(self, name: EventName, key: str, attempt: int | None, **detail: Any) -> None:
+        """A tool call made on behalf of this request (claimed, executed, replayed, refused, …)."""
+        entry = self.tool_calls.setdefault(key, {"key": key, "events": []})
+        entry["events"].append({"event": name.value, "attempt": attempt, **detail})
+        self._emit(name, attempt, key=key, **detail)
+
     # --- the response towards the client (downstream filter) -------------------------------------------
 
     def on_response_headers(self, status: int, content_type: str) -> None:
@@ -333,6 +343,7 @@ class LogicalRequest:
             "delivered_output_tokens": self.delivered_output_tokens,
             "delivered_output_tokens_source": self.delivered_tokens_source,
             "attempts": [a.as_record() for a in self.attempts],
+            "tool_calls": list(self.tool_calls.values()),
             "input": {
                 "route": self.parsed.kind.value,
                 "digest": self.parsed.input_digest,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -22,6 +24,10 @@ class keys:
     @staticmethod
     def request(tenant: str, request_id: str) -> str:
         return f"{PREFIX}/requests/{tenant}/{request_id}"
+
+    @staticmethod
+    def tool_call(tenant: str, idempotency_key: str) -> str:
+        return f"{PREFIX}/tools/{tenant}/{idempotency_key}"
 
 
 class StoreUnavailable(Exception):
@@ -46,6 +52,8 @@ class Store(Protocol):
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None: ...
 
     async def get(self, key: str) -> bytes | None: ...
+
+    async def delete(self, key: str) -> None: ...
 
     async def grant_lease(self, ttl_seconds: int) -> Lease: ...
 
@@ -115,6 +123,9 @@ class EtcdStore:
         result = await self._call(self._client.get(key.encode()))
         return None if result is None else result.value
 
+    async def delete(self, key: str) -> None:
+        await self._call(self._client.delete(key.encode()))
+
     async def grant_lease(self, ttl_seconds: int) -> Lease:
         granted = await self._call(self._client.lease(ttl_seconds))
         return Lease(id=granted.id, ttl_seconds=granted.ttl)
@@ -125,6 +136,27 @@ class EtcdStore:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.close()
+
+
+class RetentionLeases:
+    """Leases for records kept `retention_seconds`: one lease per time bucket (a tenth of the period),
+    shared by every record written in it, so that retention costs one lease per bucket, not one per
+    record. Records then live between 1.0× and 1.1× the retention period."""
+
+    def __init__(self, store: Store, retention_seconds: float) -> None:
+        self._store = store
+        self._retention = retention_seconds
+        self._bucket_seconds = max(1.0, retention_seconds / 10)
+        self._lease: Lease | None = None
+        self._bucket = -1.0
+
+    async def current(self) -> Lease:
+        bucket = time.time() // self._bucket_seconds
+        if self._lease is None or bucket != self._bucket:
+            ttl = max(1, math.ceil(self._retention + self._bucket_seconds))
+            self._lease = await self._store.grant_lease(ttl)
+            self._bucket = bucket
+        return self._lease
 
 
 class MemoryStore:
@@ -151,6 +183,9 @@ class MemoryStore:
 
     async def get(self, key: str) -> bytes | None:
         return self.data.get(key)
+
+    async def delete(self, key: str) -> None:
+        self.data.pop(key, None)
 
     async def grant_lease(self, ttl_seconds: int) -> Lease:
         self._next_lease += 1

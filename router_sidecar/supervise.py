@@ -17,13 +17,24 @@ class ProcessFailed(Exception):
     pass
 
 
-def _die_with_parent() -> None:
-    # Linux: if the supervisor is killed outright (SIGKILL, OOM), the child gets SIGKILL too, so an
-    # Envoy or a replica never outlives the process that was responsible for stopping it.
-    with contextlib.suppress(Exception):
+def _load_prctl() -> Callable[[], None] | None:
+    try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def die_with_parent() -> None:
+        # Linux: if the supervisor is killed outright (SIGKILL, OOM), the child gets SIGKILL too, so an
+        # Envoy or a replica never outlives the process that was responsible for stopping it. Runs between
+        # fork and exec: no imports or allocations of Python objects that could need a lock.
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    return die_with_parent
+
+
+_die_with_parent = _load_prctl()
 
 
 class Child:

@@ -22,11 +22,13 @@ import grpc
 
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live, Registry
+from router_sidecar.extproc.tool_calls import ToolCallStream
 from router_sidecar.journal import ClaimConflict, Journal
 from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
 from router_sidecar.policy import Policy
 from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
 from router_sidecar.store import StoreUnavailable
+from router_sidecar.tools import TOOLS_PREFIX, ToolLedger
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class DownstreamState(enum.Enum):
     AWAITING_REQUEST_BODY = "awaiting_request_body"
     TRACKING = "tracking"  # an admitted logical request: the response goes through its machine
     PASS_THROUGH = "pass_through"  # not an inference call (e.g. /v1/models): forwarded untouched
+    TOOL_CALL = "tool_call"  # a call to a tool route, under idempotency by key
     ANSWERED = "answered"  # we replied ourselves (rejection, look-up)
 
 
@@ -74,10 +77,15 @@ def _error(
 
 
 class DownstreamStream:
-    def __init__(self, *, policy: Policy, registry: Registry, journal: Journal) -> None:
+    def __init__(
+        self, *, policy: Policy, registry: Registry, journal: Journal, ledger: ToolLedger, gateway_id: str
+    ) -> None:
         self._policy = policy
         self._registry = registry
         self._journal = journal
+        self._ledger = ledger
+        self._gateway_id = gateway_id
+        self._tool: ToolCallStream | None = None
         self.state = DownstreamState.AWAITING_REQUEST_HEADERS
         self._request_id: str | None = None
         self._tenant = "anonymous"
@@ -94,9 +102,11 @@ class DownstreamStream:
                 if reply is not None:
                     await context.write(reply)
         finally:
+            # Possibly cancelled here: settle the outcome in a task of its own.
             if self._live is not None:
-                # Possibly cancelled here: settle the outcome in a task of its own.
                 asyncio.get_running_loop().create_task(self._settle(self._live))
+            if self._tool is not None:
+                asyncio.get_running_loop().create_task(self._tool.on_stream_end())
 
     async def _handle(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
         which = message.WhichOneof("request")
@@ -105,9 +115,16 @@ class DownstreamStream:
         if which == "request_body":
             return await self._on_request_body(message.request_body.body)
         if which == "response_headers":
+            if self._tool is not None:
+                code_details = str(m.attributes(message).get("response.code_details", ""))
+                self._tool.on_response_headers(m.header_map(message.response_headers), code_details)
+                return m.response_headers_reply()
             return self._on_response_headers(m.header_map(message.response_headers))
         if which == "response_body":
-            return self._on_response_body(message.response_body.body, message.response_body.end_of_stream)
+            body = message.response_body
+            if self._tool is not None:
+                return await self._tool.on_response_body(body.body, body.end_of_stream)
+            return self._on_response_body(body.body, body.end_of_stream)
         if which == "response_trailers":
             return m.RESPONSE_TRAILERS_CONTINUE
         return None
@@ -122,6 +139,8 @@ class DownstreamStream:
         if method == "GET" and path.startswith(LOOKUP_PREFIX):
             self.state = DownstreamState.ANSWERED
             return await self._lookup(urllib.parse.unquote(path[len(LOOKUP_PREFIX) :].split("?", 1)[0]))
+        if path.startswith(TOOLS_PREFIX) and method not in ("GET", "HEAD"):
+            return await self._on_tool_call_headers(message, headers, strip)
         self._kind = route_kind(path) if method == "POST" else None
         if self._kind is None:
             self.state = DownstreamState.PASS_THROUGH
@@ -144,7 +163,39 @@ class DownstreamStream:
         self.state = DownstreamState.AWAITING_REQUEST_BODY
         return m.request_headers_reply(m.header_mutation([("x-request-id", self._request_id)], strip))
 
+    async def _on_tool_call_headers(
+        self, message: m.ep.HttpHeaders, headers: dict[str, str], strip: list[str]
+    ) -> m.ProcessingResponse:
+        key = headers.get("idempotency-key")
+        if key is None or not _IDEMPOTENCY_KEY.fullmatch(key):
+            self.state = DownstreamState.ANSWERED
+            return _error(
+                428,
+                "idempotency_key_required",
+                "tool calls through the gateway need an Idempotency-Key (1-200 characters of "
+                "A-Z a-z 0-9 . _ : ~ -) derived from the logical action, e.g. {request_id}:call_01",
+                None,
+            )
+        self._tool = ToolCallStream(
+            ledger=self._ledger,
+            policy=self._policy.tools,
+            registry=self._registry,
+            journal=self._journal,
+            tenant=self._tenant,
+            key=key,
+            caller_attempt_id=headers.get("x-attempt-id"),
+            gateway_id=self._gateway_id,
+        )
+        self.state = DownstreamState.TOOL_CALL
+        if message.end_of_stream:
+            answer = await self._tool.on_request_body(b"")
+            if answer is not None:
+                return answer
+        return m.request_headers_reply(m.header_mutation(remove=strip))
+
     async def _on_request_body(self, body: bytes) -> m.ProcessingResponse:
+        if self._tool is not None:
+            return await self._tool.on_request_body(body) or m.request_body_reply()
         assert self._request_id is not None and self._kind is not None
         request_id = self._request_id
         try:

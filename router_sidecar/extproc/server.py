@@ -17,6 +17,7 @@ from router_sidecar.extproc.upstream import UpstreamStream
 from router_sidecar.journal import Journal
 from router_sidecar.policy import Policy
 from router_sidecar.store import Store
+from router_sidecar.tools import ToolLedger
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +27,25 @@ PLACEMENT_METADATA = "x-router-sidecar-placement"
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Dispatches each ext_proc stream to the servicer of its filter placement (from initial metadata)."""
 
-    def __init__(self, *, policy: Policy, registry: Registry, journal: Journal) -> None:
+    def __init__(
+        self, *, policy: Policy, registry: Registry, journal: Journal, ledger: ToolLedger, gateway_id: str
+    ) -> None:
         self._policy = policy
         self._registry = registry
         self._journal = journal
+        self._ledger = ledger
+        self._gateway_id = gateway_id
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         placement = dict(context.invocation_metadata() or ()).get(PLACEMENT_METADATA)
         if placement == "downstream":
-            await DownstreamStream(policy=self._policy, registry=self._registry, journal=self._journal).run(
-                context
-            )
+            await DownstreamStream(
+                policy=self._policy,
+                registry=self._registry,
+                journal=self._journal,
+                ledger=self._ledger,
+                gateway_id=self._gateway_id,
+            ).run(context)
         elif placement == "upstream":
             await UpstreamStream(registry=self._registry, journal=self._journal).run(context)
         else:
@@ -71,7 +80,14 @@ class SidecarServer:
         )
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(policy=policy, registry=self.registry, journal=self.journal), self._server
+            ExternalProcessor(
+                policy=policy,
+                registry=self.registry,
+                journal=self.journal,
+                ledger=ToolLedger(store, policy.tools),
+                gateway_id=gateway_id,
+            ),
+            self._server,
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
 

@@ -1,0 +1,238 @@
+"""Tool-call idempotency: a side effect happens at most once, however many attempts call it.
+
+A worker derives the key from the logical action, `{request_id}:call_{n}` (see `tool_keys`), never from
+its GPU attempt, so an attempt that replaces a dead one presents the same key and gets the earlier
+result instead of a second execution. The gateway keeps one record per (tenant, key):
+
+    (absent) ──claim──▶ in_progress ──tool answered──▶ completed        (replayed to later calls)
+                             │        ──result too big─▶ not_stored       (later calls: clear error)
+                             │        ──reset/timeout──▶ outcome_unknown  (later calls: clear error)
+                             └──definite failure (4xx, retriable 5xx, never connected)──▶ (absent)
+
+The pure part (decisions on records and on the tool's response) is here; `ToolLedger` does the store IO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import enum
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router_sidecar.policy import ToolsPolicy
+from router_sidecar.store import RetentionLeases, Store, keys
+
+REPLAY_HEADER = "x-idempotent-replay"
+RETRIABLE_HEADER = "x-tool-retriable"  # a tool's way to say "this 5xx did not execute anything"
+STORED_HEADERS = ("content-type",)
+TOOLS_PREFIX = "/tools/"
+
+
+class ToolState(enum.StrEnum):
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    NOT_STORED = "not_stored"
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer with the stored response; the tool is not called."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    status: int
+    code: str
+    message: str
+    retry_after_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StillRunning:
+    """Another call with this key is in progress and within its deadline."""
+
+    deadline: float
+
+
+def body_digest(body: bytes) -> str:
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def claim_record(
+    *,
+    key: str,
+    request_id: str | None,
+    attempt_id: str | None,
+    digest: str,
+    now: float,
+    deadline: float,
+    gateway: str,
+) -> dict[str, Any]:
+    return {
+        "state": ToolState.IN_PROGRESS.value,
+        "key": key,
+        "request_id": request_id,
+        "attempt_id": attempt_id,
+        "body_digest": digest,
+        "claimed_at": round(now, 6),
+        "deadline": round(deadline, 6),
+        "gateway": gateway,
+    }
+
+
+def answer_for_existing(record: dict[str, Any], digest: str, now: float) -> Replay | Refuse | StillRunning:
+    """What a call finds when its key is already taken (by the same tenant)."""
+    if record.get("body_digest") != digest:
+        return Refuse(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was used with a different request body; a key names one action",
+        )
+    state = record.get("state")
+    if state == ToolState.COMPLETED:
+        headers = tuple((k, v) for k, v in record.get("headers", []))
+        return Replay(int(record["status"]), headers, base64.b64decode(record.get("body_b64", "")))
+    if state == ToolState.IN_PROGRESS and now < float(record.get("deadline", 0)):
+        return StillRunning(float(record["deadline"]))
+    if state == ToolState.NOT_STORED:
+        return Refuse(
+            409,
+            "tool_result_not_stored",
+            f"the call with this key executed, but its result ({record.get('size')} bytes) was too large "
+            "to keep; it is not executed again. Ask the tool for the result by other means.",
+        )
+    # outcome_unknown, or an in_progress whose gateway never reported back before the deadline.
+    return Refuse(
+        409,
+        "tool_outcome_unknown",
+        "a call with this key may or may not have executed (the tool reset, timed out, or the gateway "
+        "handling it went away); it is not executed again. Check the tool's own state, then use a new key.",
+    )
+
+
+class ResponseFate(enum.Enum):
+    STORE = "store"  # the tool answered: keep the answer for replays
+    FREE = (
+        "free"  # definitely not executed (4xx, declared-retriable 5xx, no connection): the key is free again
+    )
+    UNKNOWN = "unknown"  # may have executed: never run it again automatically
+    TOO_LARGE = "too_large"
+
+
+@dataclass(slots=True)
+class ToolResponse:
+    """The tool's response as the downstream filter sees it (sans-IO)."""
+
+    max_stored_bytes: int
+    status: int = 0
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    from_upstream: bool = False
+    connection_failed: bool = False
+    retriable: bool = False
+    size: int = 0
+    _body: bytearray = field(default_factory=bytearray)
+
+    def on_headers(self, headers: dict[str, str], code_details: str) -> None:
+        self.status = int(headers.get(":status", "0") or 0)
+        # Envoy's own replies (reset, timeout, no host) carry other details than "via_upstream".
+        self.from_upstream = code_details == "via_upstream"
+        self.connection_failed = "connection_failure" in code_details or "no_healthy_upstream" in code_details
+        self.retriable = headers.get(RETRIABLE_HEADER, "").lower() == "true"
+        self.headers = [(k, v) for k, v in headers.items() if k in STORED_HEADERS]
+
+    def on_body(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= self.max_stored_bytes:
+            self._body += chunk
+
+    def fate(self, *, complete: bool) -> ResponseFate:
+        if not self.from_upstream:
+            return ResponseFate.FREE if self.connection_failed else ResponseFate.UNKNOWN
+        if 400 <= self.status < 500 or (self.status >= 500 and self.retriable):
+            return ResponseFate.FREE
+        if not complete:
+            return ResponseFate.UNKNOWN
+        return ResponseFate.TOO_LARGE if self.size > self.max_stored_bytes else ResponseFate.STORE
+
+    def completed_record(self, claimed: dict[str, Any], now: float) -> dict[str, Any]:
+        return {
+            **claimed,
+            "state": ToolState.COMPLETED.value,
+            "status": self.status,
+            "headers": self.headers,
+            "body_b64": base64.b64encode(bytes(self._body)).decode(),
+            "size": self.size,
+            "completed_at": round(now, 6),
+        }
+
+    def final_record(self, claimed: dict[str, Any], fate: ResponseFate, now: float) -> dict[str, Any]:
+        if fate is ResponseFate.STORE:
+            return self.completed_record(claimed, now)
+        state = ToolState.NOT_STORED if fate is ResponseFate.TOO_LARGE else ToolState.OUTCOME_UNKNOWN
+        return {
+            **claimed,
+            "state": state.value,
+            "status": self.status or None,
+            "size": self.size,
+            "completed_at": round(now, 6),
+        }
+
+
+class ToolLedger:
+    """Tool-call records in the store, keyed by tenant and idempotency key."""
+
+    def __init__(self, store: Store, policy: ToolsPolicy) -> None:
+        self._store = store
+        self._policy = policy
+        self._leases = RetentionLeases(store, policy.retention_seconds)
+
+    async def claim(self, tenant: str, key: str, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Create the in_progress record atomically. Returns the existing record if the key is taken."""
+        existing = await self._store.create(
+            keys.tool_call(tenant, key), _encode(record), await self._leases.current()
+        )
+        return None if existing is None else json.loads(existing)
+
+    async def wait_while_running(self, tenant: str, key: str, digest: str, until: float) -> Replay | Refuse:
+        """A duplicate of a running call: poll (bounded) until it settles, else 409 with a retry hint."""
+        while True:
+            raw = await self._store.get(keys.tool_call(tenant, key))
+            if raw is None:
+                return Refuse(
+                    409,
+                    "tool_call_in_progress",
+                    "the earlier call with this key just failed without executing; send the call again",
+                    retry_after_seconds=0,
+                )
+            answer = answer_for_existing(json.loads(raw), digest, time.time())
+            if not isinstance(answer, StillRunning):
+                return answer
+            if time.time() >= until:
+                return Refuse(
+                    409,
+                    "tool_call_in_progress",
+                    "a call with this Idempotency-Key is still in progress; "
+                    "retry later with the same key to get its result",
+                    retry_after_seconds=max(1, round(min(answer.deadline, until + 5) - time.time())),
+                )
+            await asyncio.sleep(0.05)
+
+    async def settle(self, tenant: str, key: str, record: dict[str, Any] | None) -> None:
+        """Write the final record, or free the key (record None)."""
+        if record is None:
+            await self._store.delete(keys.tool_call(tenant, key))
+        else:
+            await self._store.put(keys.tool_call(tenant, key), _encode(record), await self._leases.current())
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
