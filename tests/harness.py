@@ -30,14 +30,20 @@ class Sim:
     """One simulated replica process with its request log."""
 
     def __init__(
-        self, name: str, work: Path, *, prefill_delay: float = 0.02, token_interval: float = 0.005
+        self,
+        name: str,
+        work: Path,
+        *,
+        prefill_delay: float = 0.02,
+        token_interval: float = 0.005,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log_path = work / f"sim-{name}.jsonl"
         self.out_path = work / f"sim-{name}.out"
-        self._args = ["--prefill-delay", str(prefill_delay), "--token-interval", str(token_interval)]
+        self._args = ["--prefill-delay", str(prefill_delay), "--token-interval", str(token_interval), *extra_args]
         self.child: Child | None = None
         self.start()
 
@@ -81,8 +87,17 @@ class Sim:
 class Gateway:
     """`router-sidecar gateway` as a subprocess, exactly as a user runs it."""
 
-    def __init__(self, *, replicas: list[str], etcd: str, work: Path, config: Path | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        *,
+        replicas: list[str],
+        etcd: str,
+        work: Path,
+        config: Path | None = None,
+        port: int | None = None,
+        tools: tuple[str, ...] = (),
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.work = work
         self.out_path = work / "gateway.out"
@@ -100,6 +115,8 @@ class Gateway:
         ]
         for replica in replicas:
             argv += ["--replica", replica]
+        for tool in tools:
+            argv += ["--tool", tool]
         if config is not None:
             argv += ["--config", str(config)]
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()

@@ -191,7 +191,10 @@ class DownstreamStream:
             answer = await self._tool.on_request_body(b"")
             if answer is not None:
                 return answer
-        return m.request_headers_reply(m.header_mutation(remove=strip))
+        # The tool learns the caller's attempt only as the gateway vouches for it (a live attempt of the
+        # request named by the key), never as the caller claims it.
+        vouched = [("x-attempt-id", self._tool.attempt_id)] if self._tool.attempt_id else []
+        return m.request_headers_reply(m.header_mutation(vouched, strip))
 
     async def _on_request_body(self, body: bytes) -> m.ProcessingResponse:
         if self._tool is not None:

@@ -67,7 +67,7 @@ class ToolCallStream:
             live.request if live is not None and live.request.tenant == tenant else None
         )
         self._attempt = self._request.attempt_number(caller_attempt_id) if self._request else None
-        self._attempt_id = caller_attempt_id if self._attempt is not None else None
+        self.attempt_id = caller_attempt_id if self._attempt is not None else None
 
     async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
         """None: go ahead and call the tool. Otherwise the answer to send instead of calling it."""
@@ -76,7 +76,7 @@ class ToolCallStream:
         record = claim_record(
             key=self._key,
             request_id=request_id_of(self._key) or None,
-            attempt_id=self._attempt_id,
+            attempt_id=self.attempt_id,
             digest=digest,
             now=now,
             deadline=now + self._policy.call_timeout_seconds + 5,

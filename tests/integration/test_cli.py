@@ -84,3 +84,23 @@ def test_bad_replica_address_is_rejected_by_the_parser() -> None:
 def test_sidecar_refuses_a_non_loopback_bind(etcd: str) -> None:
     result = run_cli("serve", "--bind", "0.0.0.0:50051", "--etcd", etcd)
     assert result.returncode == 2 and "loopback" in result.stderr
+
+
+def test_serve_runs_the_sidecar_alone_and_stops_on_sigterm(etcd: str, tmp_path: Path) -> None:
+    import signal
+
+    from tests.harness import poll
+
+    socket_path = tmp_path / "sidecar.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "router_sidecar", "serve", "--bind", f"unix:{socket_path}",
+                             "--etcd", etcd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "ready" in proc.stdout.readline()
+        poll(socket_path.exists, timeout=5, what="the unix socket")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
