@@ -18,6 +18,7 @@ from router_sidecar.journal import Journal
 from router_sidecar.policy import ToolsPolicy
 from router_sidecar.request import LogicalRequest
 from router_sidecar.store import StoreUnavailable
+from router_sidecar.tool_keys import request_id_of
 from router_sidecar.tools import (
     REPLAY_HEADER,
     Refuse,
@@ -34,9 +35,12 @@ from router_sidecar.tools import (
 log = logging.getLogger(__name__)
 
 
-def request_id_of(key: str) -> str:
-    """`{request_id}:call_07` → `{request_id}` (keys derived with `router_sidecar.tool_keys`)."""
-    return key.rpartition(":")[0]
+def _request_id_or_none(key: str) -> str | None:
+    # Keys not derived with tool_keys (no request id in them) are still protected, just not journaled.
+    try:
+        return request_id_of(key)
+    except ValueError:
+        return None
 
 
 class ToolCallStream:
@@ -62,7 +66,8 @@ class ToolCallStream:
         self._response = ToolResponse(max_stored_bytes=policy.max_stored_response_bytes)
         self._settled = False
         # The logical request this call is made for, if it is in flight here and belongs to the same caller.
-        live = registry.get(request_id_of(key))
+        request_id = _request_id_or_none(key)
+        live = registry.get(request_id) if request_id else None
         self._request: LogicalRequest | None = (
             live.request if live is not None and live.request.tenant == tenant else None
         )
@@ -75,7 +80,7 @@ class ToolCallStream:
         now = time.time()
         record = claim_record(
             key=self._key,
-            request_id=request_id_of(self._key) or None,
+            request_id=_request_id_or_none(self._key),
             attempt_id=self.attempt_id,
             digest=digest,
             now=now,

@@ -5,12 +5,22 @@ Pure: no I/O. Grammar (one or more ``;``-separated clauses)::
     spec     := clause (";" clause)*
     clause   := ACTION "@" POINT (" " MODIFIER)*
     ACTION   := exit | reset | stall | close | error | abort | status503 | delay
-    POINT    := headers | role | token:N | after:N | done          (N >= 1)
+    POINT    := tool | headers | role | token:N | after:N | done   (N >= 1)
     MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS
 
 ``for`` is only accepted on ``stall`` (optional: stall that long, then continue) and ``delay``
 (required). ``status503`` is only accepted at ``@headers``. Anything else is a :class:`FaultSpecError`
 naming the bad clause, so that a typo in a test fails loudly instead of silently running clean.
+
+Points, in the order a request passes them:
+
+* ``tool`` — agent-worker mode only (``--tool-url``): right after the tool call returned, before anything
+  is written to the client (no status line, no byte). ``exit@tool attempt=1`` is a worker that dies after
+  its side effect and before its first delta. Without ``--tool-url`` a ``@tool`` clause never fires.
+* ``headers`` — just before the status line is written.
+* ``role`` — after the status line and the prefill delay, before chat's role-only event.
+* ``token:N`` / ``after:N`` — just before / right after content event N was written.
+* ``done`` — after the last content event, before the finish/usage events and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -21,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Action = Literal["exit", "reset", "stall", "close", "error", "abort", "status503", "delay"]
-PointKind = Literal["headers", "role", "token", "after", "done"]
+PointKind = Literal["tool", "headers", "role", "token", "after", "done"]
 
 ACTIONS: frozenset[str] = frozenset(
     {"exit", "reset", "stall", "close", "error", "abort", "status503", "delay"}
 )
-_SIMPLE_POINTS: frozenset[str] = frozenset({"headers", "role", "done"})
+_SIMPLE_POINTS: frozenset[str] = frozenset({"tool", "headers", "role", "done"})
 _INDEXED_POINTS: frozenset[str] = frozenset({"token", "after"})
 
 HEADER = "x-sim-fault"
@@ -50,6 +60,7 @@ class Point:
         return self.kind if self.n is None else f"{self.kind}:{self.n}"
 
 
+TOOL = Point("tool")
 HEADERS = Point("headers")
 ROLE = Point("role")
 DONE = Point("done")
@@ -96,7 +107,9 @@ def _parse_point(text: str, clause: str) -> Point:
         if not num.isdigit() or int(num) < 1:
             raise FaultSpecError(clause, f"point {text!r} needs an integer N >= 1")
         return Point(kind, int(num))  # type: ignore[arg-type]
-    raise FaultSpecError(clause, f"unknown point {text!r} (expected headers, role, token:N, after:N, done)")
+    raise FaultSpecError(
+        clause, f"unknown point {text!r} (expected tool, headers, role, token:N, after:N, done)"
+    )
 
 
 def _parse_ints(value: str, clause: str) -> frozenset[int]:

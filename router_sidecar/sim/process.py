@@ -69,7 +69,7 @@ class SimProcess:
         self.stop()
 
 
-def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
+def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float, what: str = "simulator") -> str:
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     buf = b""
@@ -78,11 +78,11 @@ def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
         while b"\n" not in buf:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"simulator did not report listening in time; output so far: {buf!r}")
+                raise TimeoutError(f"{what} did not report listening in time; output so far: {buf!r}")
             if sel.select(remaining):
                 data = os.read(fd, 4096)
                 if not data:
-                    raise RuntimeError(f"simulator exited with {proc.wait()}; output: {buf!r}")
+                    raise RuntimeError(f"{what} exited with {proc.wait()}; output: {buf!r}")
                 buf += data
     return buf.split(b"\n", 1)[0].decode()
 

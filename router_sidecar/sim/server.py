@@ -3,6 +3,14 @@
 Run: ``python -m router_sidecar.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl``. It prints
 ``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
 exits 0 on SIGTERM/SIGINT. See :mod:`router_sidecar.sim.faults` for the ``x-sim-fault`` grammar.
+
+Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_sidecar.sim.toolcall`): every
+generation request first makes one tool call keyed ``tool_idempotency_key(x-request-id, 1)``, before the
+status line is written; then the ``tool`` fault point; then the usual flow. The tool's result is the first
+content event's text (``"tool:<result>"``). The request log's end record gains ``tool_key``,
+``tool_status``, ``tool_replayed``, ``tool_result`` and ``tool_error``. A failed tool call (non-2xx,
+connection error, timeout) is answered 502 in vLLM's error shape, outcome ``tool_failed``; a request
+without a usable ``x-request-id`` is answered 400, outcome ``tool_failed``.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ from email.utils import formatdate
 from typing import Any, NoReturn
 
 from router_sidecar.sim import generation as gen
+from router_sidecar.sim import toolcall
 from router_sidecar.sim.faults import (
     DONE,
     HEADER,
     HEADERS,
     ROLE,
+    TOOL,
     Clause,
     FaultPlan,
     FaultSpecError,
@@ -51,6 +61,7 @@ _REASONS = {
     413: "Request Entity Too Large",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
+    502: "Bad Gateway",
     503: "Service Unavailable",
 }
 _GEN_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -67,6 +78,8 @@ class SimConfig:
     log_path: str | None = None
     seed: int = 0
     max_model_len: int = gen.DEFAULT_MAX_MODEL_LEN
+    tool_url: str | None = None  # agent-worker mode: call this tool before every generation
+    tool_timeout: float = toolcall.DEFAULT_TOOL_TIMEOUT
 
 
 # --------------------------------------------------------------------------- connection
@@ -417,6 +430,8 @@ class Exchange:
             fingerprint=self.sim.fingerprint,
         )
         try:
+            if self.sim.tool_target is not None:
+                output = toolcall.with_tool_result(output, await self._tool_call(greq))
             if greq.stream:
                 await self._stream(gen.StreamRenderer(greq, output, meta))
             else:
@@ -424,6 +439,33 @@ class Exchange:
         except _End as end:
             return end.keep_alive and self.request.keep_alive
         return self.request.keep_alive
+
+    async def _tool_call(self, greq: gen.GenRequest) -> str:
+        """Agent-worker mode: the tool call, then the ``tool`` fault point; nothing written yet."""
+        target = self.sim.tool_target
+        assert target is not None
+        h = self.request.headers
+        try:
+            outcome = await toolcall.call_tool(
+                target,
+                greq,
+                request_id=h.get("x-request-id"),
+                attempt_id=h.get("x-attempt-id"),
+                authorization=h.get("authorization"),
+                timeout=self.sim.config.tool_timeout,
+            )
+        except ValueError as exc:
+            self.outcome = "tool_failed"
+            self.record["tool_error"] = f"no tool key: {exc}"
+            await self.send_reply(400, gen.bad_request_error(f"agent mode needs x-request-id: {exc}"))
+            raise _End(self.request.keep_alive) from None
+        self.record.update(outcome.log_fields())
+        if not outcome.ok or outcome.result is None:
+            self.outcome = "tool_failed"
+            await self.send_reply(502, toolcall.tool_failed_error(outcome))
+            raise _End(self.request.keep_alive)
+        await self.at(TOOL)
+        return outcome.result
 
     async def _stream(self, r: gen.StreamRenderer) -> None:
         cfg = self.sim.config
@@ -493,6 +535,7 @@ class Simulator:
         self.config = config
         self.log = RequestLog(config.log_path)
         self.fingerprint = gen.fingerprint_for(config.model, config.seed)
+        self.tool_target = toolcall.parse_tool_url(config.tool_url) if config.tool_url else None
         self.started = int(time.time())
         self._conn_seq = 0
         self._conns: set[Connection] = set()
@@ -623,7 +666,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="JSONL request log (appended)")
     p.add_argument("--seed", type=int, default=0, help="server seed (used when a request has none)")
     p.add_argument("--max-model-len", type=int, default=gen.DEFAULT_MAX_MODEL_LEN)
+    p.add_argument(
+        "--tool-url",
+        default=None,
+        type=_tool_url,
+        help="agent-worker mode: POST one tool call to this http:// URL before every generation",
+    )
+    p.add_argument(
+        "--tool-timeout",
+        type=_positive_seconds,
+        default=toolcall.DEFAULT_TOOL_TIMEOUT,
+        help="seconds a tool call may take in total (default %(default)s)",
+    )
     return p
+
+
+def _tool_url(value: str) -> str:
+    try:
+        toolcall.parse_tool_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def config_from_args(argv: Sequence[str] | None) -> SimConfig:
@@ -639,6 +712,8 @@ def config_from_args(argv: Sequence[str] | None) -> SimConfig:
         log_path=args.log,
         seed=args.seed,
         max_model_len=args.max_model_len,
+        tool_url=args.tool_url,
+        tool_timeout=args.tool_timeout,
     )
 
 

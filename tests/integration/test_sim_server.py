@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,9 @@ import pytest
 from router_sidecar.sim import generation as gen
 from router_sidecar.sim.log import read_log, wait_for
 from router_sidecar.sim.process import SimProcess, spawn
+from router_sidecar.sim.toolcall import tool_body
+from router_sidecar.tool_keys import tool_idempotency_key
+from router_sidecar.toolsvc import ToolSvcProcess, spawn_toolsvc
 
 pytestmark = pytest.mark.integration
 
@@ -407,3 +413,193 @@ def test_sigterm_exits_zero_and_same_seed_same_output(spawn_sim: Callable[..., S
         texts.append(resp.json()["choices"][0]["message"]["content"])
     assert texts[0] == texts[1] and texts[0]
     assert a.stop() == 0 and b.stop() == 0
+
+
+# --------------------------------------------------------------------------- agent-worker mode (--tool-url)
+
+
+@pytest.fixture
+def toolsvc(tmp_path: Path) -> Iterator[ToolSvcProcess]:
+    proc = spawn_toolsvc(log_path=tmp_path / "tool.jsonl", name="pay")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def content_texts(events: list[bytes]) -> list[str]:
+    return [
+        gen.event_payload(e)["choices"][0]["delta"]["content"]
+        for e in events
+        if kind_of(e).startswith("content")
+    ]
+
+
+def test_agent_mode_calls_tool_with_derived_key_before_streaming(
+    spawn_sim: Callable[..., SimProcess], toolsvc: ToolSvcProcess
+) -> None:
+    worker = spawn_sim("w1", "--tool-url", toolsvc.tool_url())
+    r = f"req_{rid()}"
+    headers = {"x-request-id": r, "x-attempt-id": "att-1", "authorization": "Bearer tenant-a"}
+    raw, err = run_raw(worker.port, CHAT, chat_body(3), headers)
+    assert err is None
+    status, events, terminated = stream_events(raw)
+    assert status == 200 and terminated
+    assert [kind_of(e) for e in events] == ["role", "content", "content", "content+length", "done"]
+    (execution,) = toolsvc.executions()
+    key = tool_idempotency_key(r, 1)
+    assert key == f"{r}:call_01"
+    assert execution["key"] == key and execution["attempt_id"] == "att-1"
+    assert execution["path"] == "/tools/payments/charge"
+    assert execution["auth_sha256"] == hashlib.sha256(b"Bearer tenant-a").hexdigest()[:16]
+    greq = gen.parse_request("chat", json.dumps(chat_body(3)).encode(), served_model="tiny")
+    assert execution["body_sha256"] == hashlib.sha256(tool_body(r, "att-1", greq)).hexdigest()
+    texts = content_texts(events)
+    assert texts[0] == f"tool:ok-{execution['n']}" and len(texts) == 3  # token count unchanged
+    rec = end_record(worker, r)
+    assert rec["outcome"] == "completed" and rec["tool_key"] == key
+    assert rec["tool_status"] == 200 and rec["tool_replayed"] is False and rec["tool_error"] is None
+    assert rec["tool_result"] == f"ok-{execution['n']}" and execution["t"] <= rec["t_end"]
+    # non-streamed requests call the tool too; no Authorization header: none is sent
+    r2 = f"req_{rid()}"
+    resp = httpx.post(
+        f"{worker.url}{CHAT}",
+        json=chat_body(2, stream=False),
+        headers={"x-request-id": r2},
+        timeout=IO_TIMEOUT,
+    )
+    assert resp.status_code == 200
+    second = toolsvc.executions()[-1]
+    assert second["key"] == f"{r2}:call_01" and second["auth_sha256"] is None and second["attempt_id"] is None
+    assert resp.json()["choices"][0]["message"]["content"].startswith(f"tool:ok-{second['n']}")
+
+
+def test_agent_exit_at_tool_dies_after_side_effect_before_any_byte(
+    spawn_sim: Callable[..., SimProcess], toolsvc: ToolSvcProcess
+) -> None:
+    fault = "exit@tool attempt=1"
+    first = spawn_sim("w1", "--tool-url", toolsvc.tool_url())
+    r = f"req_{rid()}"
+    h1 = {"x-request-id": r, "x-attempt-id": "att-1", "x-envoy-attempt-count": "1", "x-sim-fault": fault}
+    raw, _ = run_raw(first.port, CHAT, chat_body(3), h1)
+    assert raw == b""  # died before the status line: nothing reached the client
+    assert first.proc.wait(IO_TIMEOUT) == 1
+    rec = end_record(first, r)
+    assert rec["outcome"] == "fault:exit" and rec["faults_fired"] == ["exit@tool"]
+    assert rec["status"] is None and rec["events_written"] == 0
+    assert rec["tool_status"] == 200 and rec["tool_key"] == f"{r}:call_01"
+    (execution,) = toolsvc.executions()
+    assert execution["key"] == f"{r}:call_01" and execution["attempt_id"] == "att-1"
+    assert execution["t"] <= rec["t_end"]
+    # The retried attempt (attempt 2, another worker) derives the same key from the logical request.
+    # Without the tool gateway in between, the tool executes a second time: that is what it is for.
+    second = spawn_sim("w2", "--tool-url", toolsvc.tool_url())
+    h2 = {**h1, "x-attempt-id": "att-2", "x-envoy-attempt-count": "2"}
+    raw, err = run_raw(second.port, CHAT, chat_body(3), h2)
+    assert err is None and stream_events(raw)[2]
+    executions = toolsvc.executions()
+    assert [x["key"] for x in executions] == [f"{r}:call_01", f"{r}:call_01"]
+    assert [x["attempt_id"] for x in executions] == ["att-1", "att-2"]
+    assert end_record(second, r)["outcome"] == "completed"
+
+
+def test_agent_tool_failure_is_502_without_stream(
+    spawn_sim: Callable[..., SimProcess], toolsvc: ToolSvcProcess
+) -> None:
+    worker = spawn_sim("w1", "--tool-url", f"{toolsvc.url}/not-a-tool")
+    r = f"req_{rid()}"
+    raw, err = run_raw(worker.port, CHAT, chat_body(3), {"x-request-id": r})
+    status, headers, body = split_response(raw)
+    assert err is None and status == 502 and headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["code"] == 502 and "tool status 404" in error["message"]
+    rec = end_record(worker, r)
+    assert rec["outcome"] == "tool_failed" and rec["tool_status"] == 404 and rec["events_written"] == 0
+    assert toolsvc.executions() == []
+    # the connection survives a tool failure (keep-alive), and a missing x-request-id is a 400
+    with httpx.Client(base_url=worker.url, timeout=IO_TIMEOUT) as client:
+        first = client.post(CHAT, json=chat_body(2), headers={"x-request-id": rid()})
+        second = client.post(CHAT, json=chat_body(2))
+    assert first.status_code == 502 and second.status_code == 400
+    assert "x-request-id" in second.json()["error"]["message"]
+
+
+def test_agent_tool_unreachable_or_silent_is_502(spawn_sim: Callable[..., SimProcess]) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]  # bound, never listening: connection refused
+    refused = spawn_sim("w1", "--tool-url", f"http://127.0.0.1:{dead_port}/tools/p/c")
+    r = f"req_{rid()}"
+    resp = httpx.post(
+        f"{refused.url}{CHAT}", json=chat_body(2), headers={"x-request-id": r}, timeout=IO_TIMEOUT
+    )
+    assert resp.status_code == 502 and "tool status none" in resp.json()["error"]["message"]
+    rec = end_record(refused, r)
+    assert rec["outcome"] == "tool_failed" and rec["tool_status"] is None
+    assert "ConnectionRefusedError" in rec["tool_error"]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts (in the kernel) but never answers
+        port = silent.getsockname()[1]
+        slow = spawn_sim("w2", "--tool-url", f"http://127.0.0.1:{port}/tools/p/c", "--tool-timeout", "0.3")
+        r = f"req_{rid()}"
+        t0 = time.monotonic()
+        resp = httpx.post(
+            f"{slow.url}{CHAT}", json=chat_body(2), headers={"x-request-id": r}, timeout=IO_TIMEOUT
+        )
+        assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert resp.status_code == 502
+    assert "no response within 0.3s" in end_record(slow, r)["tool_error"]
+
+
+class _ReplayingTool(BaseHTTPRequestHandler):
+    """Stands in for the tool gateway answering from its store: chunked body, x-idempotent-replay."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[dict[str, str]] = []  # noqa: RUF012
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
+        payload = b'{"result":"ok-41","execution":41}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("transfer-encoding", "chunked")
+        self.send_header("x-idempotent-replay", "true")
+        self.end_headers()
+        for part in (payload[:10], payload[10:]):
+            self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_agent_records_a_replayed_tool_result(spawn_sim: Callable[..., SimProcess]) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ReplayingTool)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        worker = spawn_sim("w1", "--tool-url", f"http://127.0.0.1:{server.server_port}/tools/payments/charge")
+        r = f"req_{rid()}"
+        raw, err = run_raw(worker.port, CHAT, chat_body(2), {"x-request-id": r, "x-attempt-id": "att-2"})
+        assert err is None
+        _, events, terminated = stream_events(raw)
+        assert terminated and content_texts(events)[0] == "tool:ok-41"
+        rec = end_record(worker, r)
+        assert rec["tool_replayed"] is True and rec["tool_status"] == 200 and rec["tool_result"] == "ok-41"
+        (seen,) = _ReplayingTool.seen
+        assert seen["idempotency-key"] == f"{r}:call_01" and seen["x-attempt-id"] == "att-2"
+        assert "authorization" not in seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(IO_TIMEOUT)
+
+
+def test_tool_point_never_fires_without_tool_url(sim: SimProcess) -> None:
+    r = rid()
+    raw, err = run_raw(sim.port, CHAT, chat_body(2), {"x-sim-fault": "exit@tool", "x-request-id": r})
+    assert err is None and stream_events(raw)[2]
+    rec = end_record(sim, r)
+    assert rec["outcome"] == "completed" and rec["faults_fired"] == [] and "tool_key" not in rec

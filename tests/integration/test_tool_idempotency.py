@@ -53,8 +53,14 @@ def agents_and_gateway(
     config.write_text(POLICY)
     gateway = None
     try:
-        gateway = Gateway(replicas=[s.endpoint for s in agents.values()], etcd=etcd, work=work, config=config,
-                          port=port, tools=(f"payments={toolsvc.address}",))
+        gateway = Gateway(
+            replicas=[s.endpoint for s in agents.values()],
+            etcd=etcd,
+            work=work,
+            config=config,
+            port=port,
+            tools=(f"payments={toolsvc.address}",),
+        )
         yield gateway, agents
     finally:
         if gateway is not None:
@@ -79,8 +85,9 @@ def call_tool(gateway: Gateway, key: str | None, body: dict[str, Any], **headers
     all_headers = {"content-type": "application/json", **headers}
     if key is not None:
         all_headers["idempotency-key"] = key
-    return httpx.post(f"{gateway.url}/tools/payments/charge", content=json.dumps(body), headers=all_headers,
-                      timeout=15)
+    return httpx.post(
+        f"{gateway.url}/tools/payments/charge", content=json.dumps(body), headers=all_headers, timeout=15
+    )
 
 
 def test_worker_killed_after_tool_call_retry_replays_the_result(
@@ -89,23 +96,40 @@ def test_worker_killed_after_tool_call_retry_replays_the_result(
     # Scenario 5: the worker calls the tool, then dies before its first delta. The gateway retries on the
     # other replica; that attempt derives the same key and gets the stored result: one execution.
     agents = agents_and_gateway[1]
-    result = post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=4),
-                  headers={"x-sim-fault": "exit@tool attempt=1"})
+    result = post(
+        f"{gateway.url}/v1/chat/completions",
+        chat(max_tokens=4),
+        headers={"x-sim-fault": "exit@tool attempt=1"},
+    )
     assert result.status == 200 and result.transport_error is None
     assert result.data()[-1] == "[DONE]"
     key = f"{result.request_id}:call_01"
     [execution] = executions(toolsvc, key)
     contents = [c["choices"][0]["delta"]["content"] for c in result.content_chunks()]
     assert contents[0] == f"tool:ok-{execution['n']}", "the answer is built on the one execution's result"
-    attempts = poll(lambda: (a := sorted((r for s in agents.values() for r in s.requests_for(result.request_id)),
-                                         key=lambda r: r["t_start"])) and len(a) == 2 and a, what="both attempts")
+    attempts = poll(
+        lambda: (
+            (
+                a := sorted(
+                    (r for s in agents.values() for r in s.requests_for(result.request_id)),
+                    key=lambda r: r["t_start"],
+                )
+            )
+            and len(a) == 2
+            and a
+        ),
+        what="both attempts",
+    )
     assert attempts[0]["outcome"] == "fault:exit" and attempts[0]["tool_replayed"] is False
     assert attempts[1]["tool_replayed"] is True and attempts[1]["tool_status"] == 200
     journal = gateway.wait_journal(result.request_id, lambda j: j["phase"] == "completed")
     [tool_call] = journal["tool_calls"]
     assert tool_call["key"] == key
     assert [(e["event"], e["attempt"]) for e in tool_call["events"]] == [
-        ("tool_call_claimed", 1), ("tool_call_executed", 1), ("tool_call_replayed", 2)]
+        ("tool_call_claimed", 1),
+        ("tool_call_executed", 1),
+        ("tool_call_replayed", 2),
+    ]
     assert journal["attempt"] == 2 and journal["attempts"][0]["replica"] != journal["attempts"][1]["replica"]
 
 
@@ -141,7 +165,9 @@ def test_outcome_unknown_is_never_executed_again(gateway: Gateway, toolsvc: Tool
 
 
 @pytest.mark.parametrize(("fault", "status"), [("status=400", 400), ("retriable503", 503)])
-def test_a_definite_failure_frees_the_key(gateway: Gateway, toolsvc: ToolSvcProcess, fault: str, status: int) -> None:
+def test_a_definite_failure_frees_the_key(
+    gateway: Gateway, toolsvc: ToolSvcProcess, fault: str, status: int
+) -> None:
     key = f"definite-{status}:call_01"
     failed = call_tool(gateway, key, {"amount": 2}, **{"x-tool-fault": fault})
     assert failed.status_code == status
@@ -151,7 +177,9 @@ def test_a_definite_failure_frees_the_key(gateway: Gateway, toolsvc: ToolSvcProc
     assert len(executions(toolsvc, key)) == 1
 
 
-def test_a_result_too_large_to_keep_is_an_error_not_a_rerun(gateway: Gateway, toolsvc: ToolSvcProcess) -> None:
+def test_a_result_too_large_to_keep_is_an_error_not_a_rerun(
+    gateway: Gateway, toolsvc: ToolSvcProcess
+) -> None:
     key = "large:call_01"
     first = call_tool(gateway, key, {"amount": 3}, **{"x-tool-fault": "big=200000"})
     assert first.status_code == 200 and len(first.content) == 200000

@@ -8,6 +8,7 @@ from router_sidecar.sim.faults import (
     DONE,
     HEADERS,
     ROLE,
+    TOOL,
     Clause,
     FaultPlan,
     FaultSpecError,
@@ -29,6 +30,7 @@ def test_parse_full_clause() -> None:
 @pytest.mark.parametrize(
     ("text", "point"),
     [
+        ("exit@tool", TOOL),
         ("exit@headers", HEADERS),
         ("close@role", ROLE),
         ("error@after:2", after_point(2)),
@@ -53,6 +55,9 @@ def test_multiple_clauses_and_blank() -> None:
     [
         ("rest@token:1", "unknown action 'rest'"),
         ("reset@tokn:1", "unknown point 'tokn:1'"),
+        ("exit@tools", "expected tool, headers, role"),
+        ("exit@tool:1", "unknown point 'tool:1'"),
+        ("status503@tool", "only valid at @headers"),
         ("reset@token:0", "N >= 1"),
         ("reset@token:x", "N >= 1"),
         ("reset@token", "unknown point 'token'"),
@@ -106,3 +111,18 @@ def test_parse_attempt() -> None:
     assert parse_attempt(" 1 ") == 1
     assert parse_attempt(None) is None
     assert parse_attempt("x") is None
+
+
+def test_tool_point_clause_with_attempt_filter() -> None:
+    (c,) = parse_fault_spec("exit@tool attempt=1")
+    assert c == Clause("exit", TOOL, frozenset({1}))
+    assert c.label() == "exit@tool" and str(TOOL) == "tool"
+    plan = FaultPlan([c], attempt=1, replica="w1")
+    assert plan.take(HEADERS) is None
+    assert plan.take(TOOL) is c and plan.take(TOOL) is None
+    assert FaultPlan([c], attempt=2, replica="w1").empty
+
+
+@pytest.mark.parametrize("spec", ["delay@tool for=0.2", "stall@tool for=1", "reset@tool", "error@tool"])
+def test_other_actions_at_tool(spec: str) -> None:
+    assert parse_clause(spec).point == TOOL
