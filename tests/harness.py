@@ -43,7 +43,13 @@ class Sim:
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log_path = work / f"sim-{name}.jsonl"
         self.out_path = work / f"sim-{name}.out"
-        self._args = ["--prefill-delay", str(prefill_delay), "--token-interval", str(token_interval), *extra_args]
+        self._args = [
+            "--prefill-delay",
+            str(prefill_delay),
+            "--token-interval",
+            str(token_interval),
+            *extra_args,
+        ]
         self.child: Child | None = None
         self.start()
 

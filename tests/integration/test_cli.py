@@ -92,8 +92,12 @@ def test_serve_runs_the_sidecar_alone_and_stops_on_sigterm(etcd: str, tmp_path: 
     from tests.harness import poll
 
     socket_path = tmp_path / "sidecar.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "router_sidecar", "serve", "--bind", f"unix:{socket_path}",
-                             "--etcd", etcd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router_sidecar", "serve", "--bind", f"unix:{socket_path}", "--etcd", etcd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         assert "ready" in proc.stdout.readline()
