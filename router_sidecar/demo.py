@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -225,7 +226,13 @@ class LivePrinter:
 
 
 def stream_request(
-    url: str, *, fault: str | None, max_tokens: int, disconnect_after: int | None
+    url: str,
+    *,
+    fault: str | None,
+    max_tokens: int,
+    disconnect_after: int | None,
+    extra_body: dict[str, Any] | None = None,
+    on_chunk: Callable[[ClientView], None] | None = None,
 ) -> ClientView:
     """POST a streamed chat completion, print it live; a transport error is recorded, not raised."""
     view = ClientView()
@@ -235,6 +242,7 @@ def stream_request(
         "messages": [{"role": "user", "content": "Tell me a short story"}],
         "stream": True,
         "max_tokens": max_tokens,
+        **(extra_body or {}),
     }
     printer = LivePrinter()
     with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
@@ -245,6 +253,8 @@ def stream_request(
                 for chunk in response.iter_raw():
                     view.raw += chunk
                     printer.feed(chunk)
+                    if on_chunk is not None:
+                        on_chunk(view)
                     if disconnect_after is not None and len(view.content_chunks) >= disconnect_after:
                         view.disconnected = True
                         break  # leaving the block closes the connection: a client disconnect
@@ -304,8 +314,7 @@ class Stack:
     def start(self) -> None:
         t0 = time.monotonic()
         self._start_etcd()
-        for name in REPLICA_NAMES:
-            self.sims[name] = self._spawn_sim(name)
+        self._start_replicas()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = [
@@ -320,8 +329,8 @@ class Stack:
             "--work-dir",
             str(self.work / "gateway"),
         ]
-        for sim in self.sims.values():
-            argv += ["--replica", sim.address]
+        for address in self.replica_addresses().values():
+            argv += ["--replica", address]
         gw_out = self.work / "gateway.out"
         with open(gw_out, "wb") as stdout, open(self.work / "gateway.err", "wb") as stderr:
             # Own session: Ctrl-C reaches only the demo, which then stops the gateway in order.
@@ -334,18 +343,23 @@ class Stack:
                 err = (self.work / "gateway.err").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"gateway did not become ready (exit {self.gateway.poll()}):\n{err}")
             time.sleep(0.05)
-        out(
-            S.dim(
-                f"  etcd {self.etcd_endpoint}; "
-                + ", ".join(f"{n} {s.address} (pid {s.pid})" for n, s in self.sims.items())
-            )
-        )
+        out(S.dim(f"  etcd {self.etcd_endpoint}; {self.describe_replicas()}"))
         out(
             S.dim(
                 f"  gateway {self.url} (Envoy + sidecar, pid {self.gateway.pid}); "
                 f"up in {time.monotonic() - t0:.1f}s"
             )
         )
+
+    def _start_replicas(self) -> None:
+        for name in REPLICA_NAMES:
+            self.sims[name] = self._spawn_sim(name)
+
+    def replica_addresses(self) -> dict[str, str]:
+        return {name: sim.address for name, sim in self.sims.items()}
+
+    def describe_replicas(self) -> str:
+        return ", ".join(f"{n} {s.address} (pid {s.pid})" for n, s in self.sims.items())
 
     def check_gateway(self) -> None:
         """Fail loudly if the gateway process is gone (its exit code tells a crash from a signal)."""
@@ -356,8 +370,8 @@ class Stack:
             )
 
     def replica_name(self, address: str | None) -> str:
-        for name, sim in self.sims.items():
-            if sim.address == address:
+        for name, replica_address in self.replica_addresses().items():
+            if replica_address == address:
                 return name
         return str(address)
 
@@ -415,8 +429,12 @@ class Stack:
             for sim in self.sims.values():
                 with contextlib.suppress(Exception):
                     sim.stop()
+            self._stop_replicas()
             if self.etcd is not None:
                 self.etcd.stop()
+
+    def _stop_replicas(self) -> None:
+        """Extra replicas of a subclass (the simulators are stopped in ``stop``)."""
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -691,7 +709,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast", action="store_true", help=f"token interval {FAST_TOKEN_INTERVAL}s (for tests)"
     )
+    parser.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="real vLLM replicas (tiny local model, CPU; needs `make real-setup`) instead of the simulator",
+    )
     args = parser.parse_args(argv)
+    if args.real_vllm:
+        return run_real_demo(keep=args.keep)
 
     work = Path(tempfile.mkdtemp(prefix="router-sidecar-demo-"))
     stack = Stack(work, token_interval=FAST_TOKEN_INTERVAL if args.fast else TOKEN_INTERVAL)
@@ -721,6 +746,269 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(results)
     ok = passed == TOTAL
     line = f"{passed}/{TOTAL} scenarios passed in {time.monotonic() - started:.1f}s"
+    out()
+    out(S.green(line) if ok else S.red(line))
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- --real-vllm
+
+REAL_TOTAL = 4
+REAL_START_TIMEOUT = 120.0  # two replicas load at once on 2 cores
+USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+class RealStack(Stack):
+    """etcd, two real vLLM replicas (``router_sidecar.real_engine``) and the gateway."""
+
+    def __init__(self, work: Path) -> None:
+        super().__init__(work, token_interval=0.0)
+        from router_sidecar.real_engine import VllmReplica
+
+        self.vllm: dict[str, VllmReplica] = {}
+
+    def _start_replicas(self) -> None:
+        from router_sidecar.real_engine import find_installation, start_replicas
+
+        install, why = find_installation()
+        if install is None:
+            raise RuntimeError(why)
+        out(S.dim("  starting 2 vLLM replicas (tiny random-weight model, CPU): 25-60 s ..."))
+        self.vllm = start_replicas(list(REPLICA_NAMES), install, self.work, timeout=REAL_START_TIMEOUT)
+
+    def replica_addresses(self) -> dict[str, str]:
+        return {name: r.endpoint for name, r in self.vllm.items()}
+
+    def describe_replicas(self) -> str:
+        return ", ".join(
+            f"{n} vLLM {r.endpoint} (pid {r.pid}, ready in {r.started_in:.0f}s)" for n, r in self.vllm.items()
+        )
+
+    def restart_dead_sims(self) -> list[str]:
+        dead = [r for r in self.vllm.values() if not r.healthy()]
+        for r in dead:
+            r.stop()
+            r.start(wait=False)
+        return [
+            f"{r.name} (restarted on {r.endpoint} in {r.wait_ready(REAL_START_TIMEOUT):.0f}s)" for r in dead
+        ]
+
+    def served_by(self, request_id: str) -> Any:
+        attempts = self.journal_now(request_id).get("attempts") or []
+        address = attempts[-1].get("replica") if attempts else None
+        return next((r for r in self.vllm.values() if r.endpoint == address), None)
+
+    def journal_now(self, request_id: str) -> dict[str, Any]:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = httpx.get(f"{self.url}/v1/requests/{request_id}", timeout=2)
+            if response.status_code == 200:
+                return dict(response.json())
+        return {}
+
+    def _stop_replicas(self) -> None:
+        for r in self.vllm.values():
+            with contextlib.suppress(Exception):
+                r.stop()
+
+
+def _usage_tokens(view: ClientView) -> int | None:
+    found = None
+    for p in view.payloads:
+        if isinstance(p, dict) and isinstance(p.get("usage"), dict):
+            found = p["usage"].get("completion_tokens")
+    return found
+
+
+def _real_common(o: Outcome, *, phase: str, attempts: int) -> None:
+    n_ids = len(o.view.content_ids)
+    o.check(f"content from {n_ids} attempt{'' if n_ids == 1 else 's'}", n_ids == 1)
+    o.check(f"journal phase={o.journal.get('phase')}", o.journal.get("phase") == phase)
+    o.check(f"{len(o.attempts)} attempt(s) in journal", len(o.attempts) == attempts)
+
+
+def _real_delivered(o: Outcome) -> None:
+    client = _usage_tokens(o.view)
+    source = o.journal.get("delivered_output_tokens_source")
+    o.check(
+        f"delivered_output_tokens={o.delivered} ({source}) matches the client's usage ({client})",
+        o.delivered == client and source == "usage",
+    )
+
+
+def _real_complete(o: Outcome, attempts: int) -> None:
+    _real_common(o, phase="completed", attempts=attempts)
+    _real_delivered(o)
+    o.check(
+        "one complete answer ending in [DONE]",
+        o.view.ends_with_done and o.view.done_count == 1 and not o.view.error_frames,
+    )
+
+
+def run_real_demo(*, keep: bool = False) -> int:
+    """The demo on real vLLM: healthy, engine death before the first delta, pod death after it, client
+    gone."""
+    work = Path(tempfile.mkdtemp(prefix="router-sidecar-demo-real-"))
+    stack = RealStack(work)
+    results: list[bool] = []
+    started = time.monotonic()
+
+    def scenario(n: int, title: str, story: str, run: Callable[[], Outcome]) -> None:
+        out()
+        out(S.bold(f"=== {n}/{REAL_TOTAL} {title} ==="))
+        out(S.dim(f"  {story}"))
+        try:
+            outcome = run()
+        except Exception as exc:
+            outcome = Outcome(ClientView(), {})
+            outcome.check(f"scenario raised {type(exc).__name__}: {exc}", False)
+        if outcome.journal:
+            print_journal(outcome.journal, stack)
+        verdict = S.green("PASS") if outcome.passed else S.red("FAIL")
+        out(
+            f"VERDICT {n}/{REAL_TOTAL} {verdict}  {title}: " + ", ".join(label for label, _ in outcome.checks)
+        )
+        failed = [label for label, ok in outcome.checks if not ok]
+        if failed:
+            out(S.red(f"  failed: {'; '.join(failed)}"))
+        results.append(outcome.passed)
+        stack.check_gateway()
+        for note in stack.restart_dead_sims():
+            out(S.yellow(f"  note: replica restarted: {note}"))
+
+    def request(max_tokens: int, **kw: Any) -> ClientView:
+        return stream_request(
+            stack.url,
+            fault=None,
+            max_tokens=max_tokens,
+            disconnect_after=kw.pop("disconnect_after", None),
+            extra_body={"ignore_eos": True, "stream_options": USAGE},
+            **kw,
+        )
+
+    def healthy() -> Outcome:
+        view = request(12)
+        o = Outcome(view, stack.journal(view.request_id))
+        _real_complete(o, attempts=1)
+        return o
+
+    def engine_dies_before_first_delta() -> Outcome:
+        victim = stack.vllm["replica-a"]
+        worker = victim.engine_worker_pid()
+        if worker is None:
+            raise RuntimeError("no engine worker process found")
+        out(f"  freezing replica-a's engine worker (pid {worker}); its request is killed before any token")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            for _ in range(4):  # round robin: the request that lands on replica-a is the one we want
+                box: dict[str, ClientView] = {}
+                seen = len(victim.received_request_ids())
+                thread = threading.Thread(target=lambda box=box: box.update(v=request(16)), daemon=True)
+                thread.start()
+                deadline = time.monotonic() + 5
+                while thread.is_alive() and time.monotonic() < deadline:
+                    if len(victim.received_request_ids()) > seen:
+                        break
+                    time.sleep(0.05)
+                if thread.is_alive() and len(victim.received_request_ids()) > seen:
+                    time.sleep(0.3)
+                    out(f"  SIGKILL engine worker pid {worker}: vLLM answers with an in-band error")
+                    os.kill(worker, signal.SIGKILL)
+                    thread.join(60)
+                    view = box["v"]
+                    o = Outcome(view, stack.journal(view.request_id))
+                    _real_complete(o, attempts=2)
+                    first = o.attempts[0] if o.attempts else {}
+                    o.check(
+                        f"attempt 1 on {stack.replica_name(first.get('replica'))} failed",
+                        first.get("outcome") == "failed",
+                    )
+                    return o
+                thread.join(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        raise RuntimeError("no request reached replica-a")
+
+    def pod_dies_after_first_delta() -> Outcome:
+        killed: list[str] = []
+
+        def kill(view: ClientView) -> None:
+            if not killed and view.content_chunks and view.request_id:
+                replica = stack.served_by(view.request_id)
+                if replica is not None:
+                    replica.kill_group()
+                    killed.append(replica.name)
+
+        view = request(1000, on_chunk=kill)
+        out(f"  killed the process group of {killed[0] if killed else '(nothing)'} after the first delta")
+        o = Outcome(view, stack.journal(view.request_id))
+        _real_common(o, phase="interrupted", attempts=1)
+        _real_delivered(o)
+        o.check(
+            "prefix then a reset or one terminal frame",
+            (view.transport_error is not None and view.done_count == 0) or len(view.error_frames) == 1,
+        )
+        return o
+
+    def client_gone() -> Outcome:
+        before = {n: len(r.aborted_request_ids()) for n, r in stack.vllm.items()}
+        received = {n: len(r.received_request_ids()) for n, r in stack.vllm.items()}
+        view = request(1000, disconnect_after=3)
+        o = Outcome(view, stack.journal(view.request_id))
+        _real_common(o, phase="cancelled", attempts=1)
+        deadline = time.monotonic() + 10
+        aborted: list[str] = []
+        while time.monotonic() < deadline and not aborted:
+            aborted = [n for n, r in stack.vllm.items() if len(r.aborted_request_ids()) > before[n]]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        new = sum(len(r.received_request_ids()) - received[n] for n, r in stack.vllm.items())
+        o.check(
+            f"vLLM's own log on {aborted[0] if aborted else 'no replica'} shows the abort", len(aborted) == 1
+        )
+        o.check(f"{new} request(s) reached vLLM (no second attempt)", new == 1)
+        return o
+
+    try:
+        with _sigterm_as_interrupt():
+            out(
+                S.bold("router-sidecar demo --real-vllm: first-delta failover on etcd + 2 real vLLM replicas")
+            )
+            stack.start()
+            scenario(1, "healthy request", "no fault: one complete answer", healthy)
+            scenario(
+                2,
+                "engine dies before the first delta",
+                "vLLM sends an in-band error before any content: retried on the other replica",
+                engine_dies_before_first_delta,
+            )
+            scenario(
+                3,
+                "replica killed after the first delta",
+                "the process group is SIGKILLed mid-stream: prefix, then a reset; journal says interrupted",
+                pod_dies_after_first_delta,
+            )
+            scenario(
+                4,
+                "client disconnects mid-stream",
+                "the client leaves after 3 deltas: vLLM aborts the request, no other attempt starts",
+                client_gone,
+            )
+    except KeyboardInterrupt:
+        out(S.red("\ninterrupted; stopping everything"))
+        return 130
+    except Exception as exc:
+        out(S.red(f"\ndemo could not run: {type(exc).__name__}: {exc}"))
+        return 1
+    finally:
+        stack.stop()
+        if keep:
+            out(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    passed = sum(results)
+    ok = passed == REAL_TOTAL
+    line = f"{passed}/{REAL_TOTAL} scenarios passed in {time.monotonic() - started:.1f}s"
     out()
     out(S.green(line) if ok else S.red(line))
     return 0 if ok else 1

@@ -1,0 +1,449 @@
+"""Two real vLLM replicas behind the gateway: pass-through, and the first-delta contract under real faults.
+
+Tests run in file order, arranged so that only faults that kill a replica need a restart (25–40 s): the
+non-destructive tests first, then the destructive ones, each restarting in the background what the previous
+one killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+
+from router_sidecar.real_engine import VllmReplica
+from tests.harness import Gateway, poll
+from tests.real_engine.client import Streamed, has_content, sdk_client
+
+AUTH = {"authorization": "Bearer unused"}  # the SDK's credential: journal look-ups are scoped to it
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+
+OnChunk = Callable[[Any, Streamed], bool]
+
+
+def stream_chat(
+    base_url: str,
+    *,
+    max_tokens: int,
+    on_chunk: OnChunk | None = None,
+    headers: dict[str, str] | None = None,
+    read_timeout: float = 60.0,
+    stream_options: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Streamed:
+    """Stream one chat completion with the SDK; `on_chunk` returning True makes the client leave."""
+    client, tee = sdk_client(base_url, read_timeout=read_timeout)
+    result = Streamed()
+    body: dict[str, Any] = {"ignore_eos": True, **extra.pop("extra_body", {})}
+    if stream_options is not None:
+        body["stream_options"] = stream_options
+    try:
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            stream=True,
+            max_tokens=max_tokens,
+            extra_headers=headers,
+            extra_body=body,
+            **extra,
+        )
+        result.status, result.headers = tee.status, tee.headers
+        try:
+            for chunk in stream:
+                result.chunks.append(chunk)
+                if on_chunk is not None and on_chunk(chunk, result):
+                    break
+        finally:
+            stream.close()
+    except Exception as exc:  # a reset or a terminal frame: recorded, asserted on by the test
+        result.error = exc
+    finally:
+        result.raw = bytes(tee.raw)
+        result.status, result.headers = result.status or tee.status, result.headers or tee.headers
+        client.close()
+    return result
+
+
+def chunk_has_content(chunk: Any) -> bool:
+    return has_content(chunk.model_dump())
+
+
+def replica_of(gateway: Gateway, request_id: str, replicas: dict[str, VllmReplica]) -> VllmReplica | None:
+    status, record = gateway.journal(request_id, AUTH)
+    attempts = record.get("attempts") or [] if status == 200 else []
+    if not attempts:
+        return None
+    address = attempts[-1].get("replica")
+    return next((r for r in replicas.values() if r.endpoint == address), None)
+
+
+def terminal_journal(gateway: Gateway, request_id: str, timeout: float = 15.0) -> dict[str, Any]:
+    terminal = {"completed", "interrupted", "cancelled", "rejected", "failed"}
+    return gateway.wait_journal(
+        request_id, lambda j: j.get("phase") in terminal, timeout=timeout, headers=AUTH
+    )
+
+
+def assert_one_attempt_content(result: Streamed) -> None:
+    ids = result.content_ids()
+    assert len(ids) <= 1, f"content from several attempts reached the client: {ids}"
+    sdk_ids = {c.id for c in result.chunks if chunk_has_content(c)}
+    assert sdk_ids <= ids
+
+
+def assert_complete(result: Streamed, max_tokens: int) -> None:
+    assert result.error is None, f"{result.error!r}\n{result.raw[-2000:]!r}"
+    payloads = result.payloads()
+    assert payloads[-1] == "[DONE]" and result.done_count() == 1
+    assert not result.error_frames()
+    assert_one_attempt_content(result)
+    assert result.finish_reasons() == ["length"]
+    assert result.last_usage_tokens() == max_tokens
+
+
+# --------------------------------------------------------------------------- pass-through
+
+
+def direct_raw(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """The same request straight to a replica, raw SSE payloads (the reference for 'unchanged')."""
+    response = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert response.status_code == 200
+    return Streamed(raw=response.content).payloads()
+
+
+def shape(payload: Any) -> Any:
+    """Structure of an event without its random parts: keys in order, nested; leaves by type."""
+    if isinstance(payload, dict):
+        return {k: shape(v) for k, v in payload.items()}
+    if isinstance(payload, list):
+        return [shape(v) for v in payload]
+    if isinstance(payload, str) and payload in ("[DONE]", "assistant", "length", "stop", "tool_calls"):
+        return payload
+    return type(payload).__name__
+
+
+def test_chat_stream_with_usage_passes_through_unchanged(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    max_tokens = 24
+    result = stream_chat(gateway.url, max_tokens=max_tokens, stream_options=CONTINUOUS_USAGE)
+    assert result.status == 200 and result.request_id
+    assert_complete(result, max_tokens)
+    sdk = result.chunks
+    assert sdk[0].choices[0].delta.role == "assistant"
+    assert sdk[-1].choices == [] and sdk[-1].usage is not None
+    assert sdk[-1].usage.completion_tokens == max_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in sdk if c.choices)
+    assert text  # random bytes: a lone high byte may decode to U+FFFD, as vLLM itself sends it
+    # Byte-level: the events the client got have exactly the structure vLLM itself sends.
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream_options": CONTINUOUS_USAGE,
+    }
+    reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/chat/completions", body)
+    got = result.payloads()
+    assert [list(p) if isinstance(p, dict) else p for p in got] == [
+        list(p) if isinstance(p, dict) else p for p in reference
+    ]
+    assert shape(got[0]) == shape(reference[0]) and shape(got[-2]) == shape(reference[-2])
+    journal = terminal_journal(gateway, result.request_id)
+    assert journal["phase"] == "completed" and len(journal["attempts"]) == 1
+    assert journal["delivered_output_tokens"] == max_tokens
+    assert journal["delivered_output_tokens_source"] == "usage"
+
+
+def test_completions_stream_with_usage_passes_through_unchanged(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    max_tokens = 16
+    client, tee = sdk_client(gateway.url)
+    try:
+        stream = client.completions.create(
+            model="tiny",
+            prompt="Once upon a time",
+            stream=True,
+            max_tokens=max_tokens,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+    finally:
+        client.close()
+    result = Streamed(chunks=chunks, raw=bytes(tee.raw), headers=tee.headers, status=tee.status)
+    assert result.status == 200
+    assert_complete(result, max_tokens)
+    assert all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/completions", body)
+    assert [shape(p) for p in result.payloads()][:2] == [shape(p) for p in reference][:2]
+    assert [shape(p) for p in result.payloads()][-2:] == [shape(p) for p in reference][-2:]
+    journal = terminal_journal(gateway, result.request_id)
+    assert journal["phase"] == "completed" and journal["delivered_output_tokens"] == max_tokens
+
+
+def test_streamed_tool_call_passes_through(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    result = stream_chat(
+        gateway.url,
+        max_tokens=200,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,  # else the random model keeps calling tools up to max_tokens
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": False},
+    )
+    assert result.error is None, repr(result.error)
+    assert result.payloads()[-1] == "[DONE]" and not result.error_frames()
+    assert_one_attempt_content(result)
+    tool_deltas = [tc for c in result.chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert tool_deltas, f"no tool call deltas: {result.raw[:2000]!r}"
+    first = tool_deltas[0]
+    assert first.id and first.id.startswith("chatcmpl-tool-")
+    assert first.type == "function" and first.function is not None and first.function.name == "get_weather"
+    arguments = "".join(tc.function.arguments or "" for tc in tool_deltas if tc.function)
+    finish = result.finish_reasons()
+    assert finish == ["tool_calls"], finish
+    assert json.loads(arguments)["city"] in ("Paris", "Oslo")
+    journal = terminal_journal(gateway, result.request_id)
+    assert journal["phase"] == "completed" and journal["first_delta_sent"] is True
+
+
+# --------------------------------------------------------------------------- client gone
+
+
+def test_client_disconnect_aborts_the_request_in_vllm_and_starts_no_other(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    received_before = {n: len(r.received_request_ids()) for n, r in healthy_replicas.items()}
+    aborted_before = {n: len(r.aborted_request_ids()) for n, r in healthy_replicas.items()}
+
+    def leave_after_three(chunk: Any, so_far: Streamed) -> bool:
+        return sum(1 for c in so_far.chunks if chunk_has_content(c)) >= 3
+
+    result = stream_chat(gateway.url, max_tokens=1000, on_chunk=leave_after_three)
+    assert result.error is None and result.request_id
+    journal = terminal_journal(gateway, result.request_id)
+    assert journal["phase"] == "cancelled", journal
+    assert len(journal["attempts"]) == 1
+    served = replica_of(gateway, result.request_id, healthy_replicas)
+    assert served is not None
+    poll(
+        lambda: len(served.aborted_request_ids()) > aborted_before[served.name],
+        timeout=10,
+        what=f"vLLM {served.name} to log the request aborted",
+    )
+    time.sleep(1.0)  # a wrongly started second attempt would show up in a log by now
+    received = {n: len(r.received_request_ids()) - received_before[n] for n, r in healthy_replicas.items()}
+    assert sum(received.values()) == 1 and received[served.name] == 1, received
+    others = [r for r in healthy_replicas.values() if r is not served]
+    assert all(len(r.aborted_request_ids()) == aborted_before[r.name] for r in others)
+
+
+# --------------------------------------------------------------------------- destructive faults
+
+
+def test_engine_worker_killed_before_first_content_is_retried_on_the_other_replica(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    victim, other = healthy_replicas["a"], healthy_replicas["b"]
+    worker = victim.engine_worker_pid()
+    assert worker is not None, f"no engine worker under {victim.name}: {victim.engine_pids()}"
+    max_tokens = 32
+    # Freeze the worker, then send requests until one lands on the frozen replica (round robin: <= 2).
+    os.kill(worker, signal.SIGSTOP)
+    landed: dict[str, Any] = {}
+    try:
+        for _ in range(4):
+            request_id = f"real-{uuid.uuid4().hex[:16]}"
+            box: dict[str, Streamed] = {}
+            thread = threading.Thread(
+                target=lambda rid=request_id, box=box: box.update(
+                    r=stream_chat(
+                        gateway.url,
+                        max_tokens=max_tokens,
+                        headers={"Idempotency-Key": rid},
+                        stream_options=CONTINUOUS_USAGE,
+                    )
+                ),
+                daemon=True,
+            )
+            thread.start()
+            first = poll(
+                lambda rid=request_id: replica_of(gateway, rid, healthy_replicas),
+                timeout=15,
+                what="the first attempt's replica",
+            )
+            if first is victim:
+                landed = {"request_id": request_id, "thread": thread, "box": box}
+                break
+            thread.join(30)  # served by the healthy replica: a normal answer; try again
+        assert landed, "no request was routed to the frozen replica"
+        # The request waits on the frozen worker: nothing can have been delivered yet.
+        time.sleep(0.5)
+        assert landed["thread"].is_alive()
+        os.kill(worker, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+    landed["thread"].join(60)
+    assert not landed["thread"].is_alive(), "the client never finished"
+    result: Streamed = landed["box"]["r"]
+    assert result.request_id == landed["request_id"]
+    assert_complete(result, max_tokens)  # one complete answer, no error frame, one attempt's content
+    journal = terminal_journal(gateway, result.request_id)
+    attempts = journal["attempts"]
+    assert journal["phase"] == "completed" and len(attempts) == 2, journal
+    assert attempts[0]["replica"] == victim.endpoint and attempts[0]["outcome"] == "failed"
+    assert attempts[1]["replica"] == other.endpoint
+    assert journal["delivered_output_tokens"] == max_tokens
+    # vLLM itself sent the in-band error and then exits; start it again in the background.
+    poll(lambda: not victim.healthy(), timeout=15, what=f"{victim.name} to go down")
+    victim.stop()
+    victim.start(wait=False)
+
+
+def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
+    gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
+) -> None:
+    # Waits for the replica the previous test killed: a replica loading next to the stream starves the
+    # gateway's CPU, and the whole 1000-token answer may then be generated before the client's first delta.
+    replicas = healthy_replicas
+    killed: list[VllmReplica] = []
+
+    def kill_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
+        if not killed and chunk_has_content(chunk):
+            served = replica_of(gateway, so_far.request_id, replicas)
+            assert served is not None
+            served.kill_group()
+            killed.append(served)
+        return False
+
+    result = stream_chat(
+        gateway.url,
+        max_tokens=1000,
+        on_chunk=kill_after_first_delta,
+        stream_options=CONTINUOUS_USAGE,
+        read_timeout=30,
+    )
+    assert killed, "the stream never delivered content"
+    assert result.status == 200 and result.request_id
+    assert_one_attempt_content(result)
+    content = result.content_payloads()
+    assert len(content) >= 1 and "length" not in result.finish_reasons()
+    frames = result.error_frames()
+    # Either a transport reset (the SDK raises) or exactly one terminal frame then [DONE].
+    assert result.error is not None or frames, "the stream ended as if complete"
+    assert len(frames) <= 1
+    if frames:
+        assert frames[0]["code"] == "upstream_decode_interrupted"
+        assert result.payloads()[-1] == "[DONE]" and result.done_count() == 1
+    else:
+        assert result.done_count() == 0
+        assert isinstance(result.error, (httpx.TransportError, openai.APIConnectionError)), repr(result.error)
+    journal = terminal_journal(gateway, result.request_id)
+    assert journal["phase"] == "interrupted", journal
+    assert journal["first_delta_sent"] is True
+    assert journal["attempts"][-1]["replica"] == killed[0].endpoint
+    client_tokens = result.last_usage_tokens()
+    assert client_tokens is not None and client_tokens >= 1
+    assert journal["delivered_output_tokens_source"] == "usage"
+    assert journal["delivered_output_tokens"] == client_tokens, (journal, client_tokens)
+    if frames and "delivered_output_tokens" in frames[0]:
+        assert frames[0]["delivered_output_tokens"] == client_tokens
+    killed[0].stop()
+    killed[0].start(wait=False)
+
+
+def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
+    gateway: Gateway, replicas: dict[str, VllmReplica]
+) -> None:
+    """REAL_ENGINE.md: after SIGTERM vLLM either sends `finish_reason: "abort"` then [DONE], or stalls.
+
+    Abort: the gateway must turn it into exactly one terminal frame (an abort is an interruption). Stall:
+    the client leaves at its read timeout. Both: content from one attempt only, no second attempt.
+    """
+    poll(lambda: any(r.healthy() for r in replicas.values()), timeout=90, what="a healthy replica")
+    termed: list[VllmReplica] = []
+
+    def term_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
+        if not termed and chunk_has_content(chunk):
+            served = replica_of(gateway, so_far.request_id, replicas)
+            assert served is not None
+            served.terminate_api_server()
+            termed.append(served)
+        return False
+
+    result = stream_chat(
+        gateway.url,
+        max_tokens=1000,
+        on_chunk=term_after_first_delta,
+        stream_options=CONTINUOUS_USAGE,
+        read_timeout=15,
+    )
+    assert termed, "the stream never delivered content"
+    assert_one_attempt_content(result)
+    frames = result.error_frames()
+    assert len(frames) <= 1, frames
+    assert result.done_count() <= 1
+    journal = terminal_journal(gateway, result.request_id, timeout=30)
+    assert len(journal["attempts"]) == 1, journal
+    reasons = result.finish_reasons()
+    if frames:  # vLLM sent finish_reason "abort": the gateway ended the stream with one terminal frame
+        assert "length" not in reasons
+        assert frames[0]["code"] == "upstream_decode_interrupted"
+        assert result.payloads()[-1] == "[DONE]"
+        assert journal["phase"] == "interrupted"
+        behaviour = "abort -> terminal frame"
+    elif result.error is None:
+        # Graceful drain (measured, not in REAL_ENGINE.md's table): uvicorn waits for open connections, so
+        # the in-flight generation runs to its end: one complete answer, which is honest.
+        assert "abort" not in reasons, "vLLM's abort reached the client without a terminal frame"
+        assert reasons == ["length"] and result.payloads()[-1] == "[DONE]"
+        assert journal["phase"] == "completed", journal
+        behaviour = "graceful drain -> complete answer"
+    else:  # the documented stall (client leaves at its read timeout), or the dying server's reset
+        assert "abort" not in reasons, "vLLM's abort reached the client without a terminal frame"
+        assert result.done_count() == 0
+        assert journal["phase"] in ("interrupted", "cancelled"), journal
+        behaviour = f"stall/reset ({type(result.error).__name__}) -> {journal['phase']}"
+    print(f"\nreal_engine: SIGTERM mid-stream behaviour: {behaviour}")
+    for replica in termed:
+        replica.stop()
