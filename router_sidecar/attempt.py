@@ -35,6 +35,7 @@ class FailureReason(enum.StrEnum):
     ERROR_EVENT = "error_event"  # in-band `data: {"error": ...}` before any content
     ABORTED = "aborted"  # finish_reason "abort" (engine shutting down) before any content
     ENDED_WITHOUT_DONE = "ended_without_done"  # clean end of body, but neither [DONE] nor a finish
+    REPLICA_LOST = "replica_lost"  # its heartbeat lapsed while the connection stayed open: fenced
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,12 @@ class Attempt:
         if self.state in (AttemptState.AWAITING_HEADERS, AttemptState.HOLDING):
             return self._fail(FailureReason.CONNECTION_LOST, "connection to the replica was lost")
         return Hold()
+
+    def on_replica_lost(self) -> AttemptFailed | None:
+        """Liveness is uncertain (heartbeat gone, connection open): the attempt is being fenced."""
+        if self.state in (AttemptState.AWAITING_HEADERS, AttemptState.HOLDING):
+            return self._fail(FailureReason.REPLICA_LOST, "the replica's heartbeat lapsed before any content")
+        return None
 
     def _fail(self, reason: FailureReason, detail: str) -> AttemptFailed:
         self.state = AttemptState.FAILED

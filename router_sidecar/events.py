@@ -17,6 +17,8 @@ class EventName(enum.StrEnum):
     REQUEST_REJECTED = "request_rejected"
     ATTEMPT_STARTED = "attempt_started"
     ATTEMPT_FAILED = "attempt_failed"
+    REPLICA_LOST = "replica_lost"
+    ATTEMPT_FENCED = "attempt_fenced"
     RETRY_TRIGGERED = "retry_triggered"
     RETRY_REFUSED = "retry_refused"
     FIRST_DELTA_SENT = "first_delta_sent"

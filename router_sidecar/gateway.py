@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,11 @@ async def connect_store(endpoint: str) -> EtcdStore:
 
 
 async def run_gateway(options: GatewayOptions) -> int:
+    with stop_on_signals() as stop:
+        return await _run_gateway(options, stop)
+
+
+async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
     envoy = find_envoy()
     store = await connect_store(options.etcd)
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix="router-sidecar-"))
@@ -93,12 +99,13 @@ async def run_gateway(options: GatewayOptions) -> int:
             log_path=work_dir / "envoy.log",
         )
         await _wait_envoy_ready(envoy_child, admin_path)
+        server.start_background()
         print(
             f"ready: gateway on http://{options.listen} → replicas {', '.join(map(str, options.replicas))}; "
             f"etcd {options.etcd}; logs in {work_dir}",
             flush=True,
         )
-        await _wait_for_stop(envoy_child)
+        await _wait_for_stop(envoy_child, stop)
         return 0 if envoy_child.alive() else 1
     finally:
         if envoy_child is not None:
@@ -126,22 +133,29 @@ async def _wait_envoy_ready(child: Child, admin_path: Path, timeout: float = 30.
     raise GatewayError(f"envoy was not ready within {timeout}s:\n{child.tail()}")
 
 
-async def _wait_for_stop(child: Child) -> None:
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[asyncio.Event]:
+    """SIGINT/SIGTERM set the returned event. Installed first thing, so a signal during start-up is not
+    lost (nor fatal): the process finishes starting and then stops cleanly."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        envoy_exit = asyncio.ensure_future(asyncio.to_thread(child.proc.wait))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if envoy_exit.done():
-            print(f"envoy exited unexpectedly with {child.proc.returncode}:\n{child.tail()}", file=sys.stderr)
-        stopped.cancel()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+async def _wait_for_stop(child: Child, stop: asyncio.Event) -> None:
+    envoy_exit = asyncio.ensure_future(asyncio.to_thread(child.proc.wait))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if envoy_exit.done():
+        print(f"envoy exited unexpectedly with {child.proc.returncode}:\n{child.tail()}", file=sys.stderr)
+    stopped.cancel()
 
 
 async def run_sidecar_only(bind: str, etcd: str, policy: Policy) -> int:
@@ -149,13 +163,11 @@ async def run_sidecar_only(bind: str, etcd: str, policy: Policy) -> int:
     store = await connect_store(etcd)
     server = SidecarServer(bind=bind, policy=policy, store=store, gateway_id=f"{socket.gethostname()}:{bind}")
     try:
-        await server.start()
-        print(f"ready: sidecar serving ext_proc and access log on {bind}; etcd {etcd}", flush=True)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        with stop_on_signals() as stop:
+            await server.start()
+            server.start_background()
+            print(f"ready: sidecar serving ext_proc and access log on {bind}; etcd {etcd}", flush=True)
+            await stop.wait()
         return 0
     finally:
         await server.stop()

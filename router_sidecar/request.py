@@ -13,13 +13,16 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router_sidecar.attempt import AttemptFailed, is_event_stream
 from router_sidecar.events import Event, EventName
 from router_sidecar.openai_api import ParsedRequest
 from router_sidecar.policy import Policy
 from router_sidecar.sse import EventKind, SseScanner, terminal_error_frame
+
+if TYPE_CHECKING:
+    from router_sidecar.fencing import AttemptLease
 
 
 class Phase(enum.StrEnum):
@@ -45,6 +48,7 @@ class Outcome(enum.StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     RETRIES_EXHAUSTED = "retries_exhausted"
     RETRY_NOT_ALLOWED = "retry_not_allowed"
+    FENCE_UNPROVABLE = "fence_unprovable"
     UPSTREAM_ERROR = "upstream_error"
     INVALID_REQUEST = "invalid_request"
 
@@ -64,6 +68,8 @@ class AttemptRecord:
     replica: str
     outcome: str | None = None
     detail: str | None = None
+    lease: AttemptLease | None = None  # its right to publish (fencing.py)
+    fence: dict[str, Any] | None = None  # how it was fenced, when it was
 
     def as_record(self) -> dict[str, Any]:
         return {
@@ -72,6 +78,8 @@ class AttemptRecord:
             "replica": self.replica,
             "outcome": self.outcome,
             "detail": self.detail,
+            "lease": self.lease.as_record() if self.lease else None,
+            "fence": self.fence,
         }
 
 
@@ -134,7 +142,13 @@ class LogicalRequest:
         self.model_revision: str | None = None
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
         cap = policy.reprefill_cost_cap.max_prompt_tokens
-        self.retry_allowed = parsed.estimated_prompt_tokens <= cap
+        # Why no retry may ever start for this request (None: retries allowed within the budget).
+        self.retry_blocked: str | None = None
+        if parsed.estimated_prompt_tokens > cap:
+            self.retry_blocked = (
+                f"the prompt (~{parsed.estimated_prompt_tokens} tokens) exceeds the re-prefill cost cap "
+                f"({cap}), so it is not retried"
+            )
         self._response = _ResponseDirection()
         self._outbox: list[Event] = []
         self._emit(
@@ -149,6 +163,13 @@ class LogicalRequest:
         )
 
     # --- derived facts ---------------------------------------------------------------------------------
+
+    @property
+    def retry_allowed(self) -> bool:
+        return self.retry_blocked is None
+
+    def block_retries(self, reason: str) -> None:
+        self.retry_blocked = self.retry_blocked or reason
 
     @property
     def max_attempts(self) -> int:
@@ -206,9 +227,49 @@ class LogicalRequest:
             EventName.ATTEMPT_FAILED, record.number, reason=failure.reason.value, detail=failure.detail
         )
 
-    def on_attempt_failed(self, record: AttemptRecord, failure: AttemptFailed) -> TriggerRetry | FailRequest:
-        """A held attempt failed in a way the sidecar saw: retry elsewhere, or answer a real error."""
+    def on_attempt_fenced(self, record: AttemptRecord, proof: str | None, waited_seconds: float) -> None:
+        record.fence = {"proof": proof, "waited_ms": round(waited_seconds * 1000, 1)}
+        self._emit(
+            EventName.ATTEMPT_FENCED,
+            record.number,
+            attempt_id=record.attempt_id,
+            proof=proof,
+            waited_ms=record.fence["waited_ms"],
+        )
+
+    def on_replica_lost(self, record: AttemptRecord) -> None:
+        self._emit(EventName.REPLICA_LOST, record.number, replica=record.replica, phase=self.phase.value)
+
+    @property
+    def publisher(self) -> AttemptRecord | None:
+        """The attempt whose bytes go to the client (released at its first delta), if any."""
+        last = self.attempts[-1] if self.attempts else None
+        return last if last is not None and last.outcome == "released" else None
+
+    def on_publisher_lost(self) -> Terminate | None:
+        """After the first delta the publishing replica's heartbeat lapsed: end the stream, never retry."""
+        if self.phase is not Phase.DECODE or self._response.ended:
+            return None
+        return self._terminate(
+            [], "the replica's heartbeat lapsed after the first delta; its attempt was fenced"
+        )
+
+    def on_attempt_failed(
+        self, record: AttemptRecord, failure: AttemptFailed, *, fence_proven: bool = True
+    ) -> TriggerRetry | FailRequest:
+        """A held attempt failed in a way the sidecar saw: retry elsewhere, or answer a real error.
+
+        `fence_proven` is false when the attempt's liveness was uncertain and its fence could not be
+        proven (no lease: etcd was unreachable): then no other attempt may start.
+        """
         self.on_attempt_lost(record, failure)
+        if not fence_proven:
+            why = "the failed attempt may still be running and its fence cannot be proven (etcd unreachable)"
+            self._emit(EventName.RETRY_REFUSED, record.number, reason=Outcome.FENCE_UNPROVABLE.value)
+            self._finish(Phase.FAILED, Outcome.FENCE_UNPROVABLE)
+            return FailRequest(
+                status=503, body=self.error_body(Outcome.FENCE_UNPROVABLE, why, retryable=True)
+            )
         if self.phase is not Phase.PREFILL:
             # Unreachable by construction (attempts only fail while held), kept as a hard guard.
             raise RuntimeError("an attempt failed after the first delta was delivered")
@@ -228,14 +289,8 @@ class LogicalRequest:
         return self._refuse_retry(len(self.attempts))
 
     def _refuse_retry(self, number: int) -> FailRequest:
-        if not self.retry_allowed:
-            code, why = (
-                Outcome.RETRY_NOT_ALLOWED,
-                (
-                    f"the prompt (~{self.parsed.estimated_prompt_tokens} tokens) exceeds the re-prefill "
-                    f"cost cap ({self.policy.reprefill_cost_cap.max_prompt_tokens}), so it is not retried"
-                ),
-            )
+        if self.retry_blocked is not None:
+            code, why = Outcome.RETRY_NOT_ALLOWED, self.retry_blocked
         else:
             code, why = (
                 Outcome.RETRIES_EXHAUSTED,

@@ -29,6 +29,14 @@ class keys:
     def tool_call(tenant: str, idempotency_key: str) -> str:
         return f"{PREFIX}/tools/{tenant}/{idempotency_key}"
 
+    @staticmethod
+    def attempt(attempt_id: str) -> str:
+        return f"{PREFIX}/attempts/{attempt_id}"
+
+    @staticmethod
+    def cancel_ack(attempt_id: str) -> str:
+        return f"{PREFIX}/attempts/{attempt_id}/cancel_ack"
+
 
 class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time."""
@@ -58,6 +66,10 @@ class Store(Protocol):
     async def grant_lease(self, ttl_seconds: int) -> Lease: ...
 
     async def revoke_lease(self, lease: Lease) -> None: ...
+
+    async def refresh_lease(self, lease: Lease) -> int:
+        """Keep `lease` alive once; returns its remaining TTL in seconds (≤ 0: it is gone)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -133,6 +145,10 @@ class EtcdStore:
     async def revoke_lease(self, lease: Lease) -> None:
         await self._call(self._client.revoke_lease(lease.id))
 
+    async def refresh_lease(self, lease: Lease) -> int:
+        reply = await self._call(self._client.refresh_lease(lease.id))
+        return int(reply.TTL) if reply is not None else 0
+
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.close()
@@ -164,6 +180,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.revoked: set[int] = set()
         self._next_lease = 1
 
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
@@ -192,7 +209,10 @@ class MemoryStore:
         return Lease(id=self._next_lease, ttl_seconds=ttl_seconds)
 
     async def revoke_lease(self, lease: Lease) -> None:
-        return None
+        self.revoked.add(lease.id)
+
+    async def refresh_lease(self, lease: Lease) -> int:
+        return 0 if lease.id in self.revoked else lease.ttl_seconds
 
     async def close(self) -> None:
         return None

@@ -23,6 +23,7 @@ import grpc
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live, Registry
 from router_sidecar.extproc.tool_calls import ToolCallStream
+from router_sidecar.fencing import AttemptLeases
 from router_sidecar.journal import ClaimConflict, Journal
 from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
 from router_sidecar.policy import Policy
@@ -78,7 +79,14 @@ def _error(
 
 class DownstreamStream:
     def __init__(
-        self, *, policy: Policy, registry: Registry, journal: Journal, ledger: ToolLedger, gateway_id: str
+        self,
+        *,
+        policy: Policy,
+        registry: Registry,
+        journal: Journal,
+        ledger: ToolLedger,
+        leases: AttemptLeases,
+        gateway_id: str,
     ) -> None:
         self._policy = policy
         self._registry = registry
@@ -86,6 +94,10 @@ class DownstreamStream:
         self._ledger = ledger
         self._gateway_id = gateway_id
         self._tool: ToolCallStream | None = None
+        self._leases = leases
+        self._context: grpc.aio.ServicerContext | None = None
+        self._write_lock = asyncio.Lock()  # replies to Envoy's messages and our own (fence) writes
+        self._ended_by_us = False  # we sent end_of_stream: nothing more goes to the client
         self.state = DownstreamState.AWAITING_REQUEST_HEADERS
         self._request_id: str | None = None
         self._tenant = "anonymous"
@@ -93,6 +105,7 @@ class DownstreamStream:
         self._live: Live | None = None
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
         try:
             while True:
                 message = await context.read()
@@ -100,7 +113,9 @@ class DownstreamStream:
                     break
                 reply = await self._handle(message)
                 if reply is not None:
-                    await context.write(reply)
+                    async with self._write_lock:
+                        if not self._ended_by_us:
+                            await context.write(reply)
         finally:
             # Possibly cancelled here: settle the outcome in a task of its own.
             if self._live is not None:
@@ -248,8 +263,9 @@ class DownstreamStream:
         except StoreUnavailable as exc:
             # Degraded mode: serve, but without a durable journal no retry can be proven safe.
             log.error("journal unavailable, serving request %s without retries: %s", request_id, exc)
-            request.retry_allowed = False
+            request.block_retries("the request journal (etcd) is unreachable, so no retry can be proven safe")
         self._live = live
+        live.publisher_lost = self._on_publisher_lost
         self.state = DownstreamState.TRACKING
         return m.request_body_reply()
 
@@ -282,10 +298,19 @@ class DownstreamStream:
         request.on_response_headers(int(headers.get(":status", "0") or 0), headers.get("content-type", ""))
         return m.response_headers_reply(m.header_mutation([("x-request-id", request.request_id)]))
 
-    def _on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse:
+    def _on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
         if self.state is not DownstreamState.TRACKING or self._live is None:
             return m.streamed_body(chunk, end_of_stream)
         request = self._live.request
+        publisher = request.publisher
+        if publisher is not None and publisher.lease is not None and not publisher.lease.publishable():
+            # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end.
+            decision = request.on_publisher_lost()
+            self._journal.update(request)
+            if decision is None:
+                return None
+            self._ended_by_us = True
+            return m.streamed_body(decision.data, True)
         decision = request.on_response_body(chunk, end_of_stream)
         if request.is_terminal:
             self._journal.update(request)
@@ -293,6 +318,25 @@ class DownstreamStream:
             return m.streamed_body(decision.data, decision.end_of_stream)
         # Terminate: our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream.
         return m.streamed_body(decision.data, True)
+
+    async def _on_publisher_lost(self) -> None:
+        """The replica publishing into this stream lost its heartbeat: fence it and end the stream."""
+        if self._live is None or self._context is None:
+            return
+        request = self._live.request
+        publisher = request.publisher
+        if publisher is not None:
+            request.on_replica_lost(publisher)
+            if publisher.lease is not None:
+                # No retry follows, so there is no proof to wait for: revoke, and stop forwarding now.
+                await self._leases.release(publisher.lease)
+        async with self._write_lock:
+            decision = request.on_publisher_lost()
+            self._journal.update(request)
+            if decision is None or self._ended_by_us:
+                return
+            self._ended_by_us = True
+            await self._context.write(m.streamed_body(decision.data, True))
 
     async def _settle(self, live: Live) -> None:
         request = live.request
@@ -304,5 +348,9 @@ class DownstreamStream:
                 request.on_downstream_lost(live.loss_cause or DownstreamLoss.UNKNOWN)
             self._journal.update(request)
         finally:
+            live.stop_watching()
             self._registry.remove(live)
             self._journal.release(request)
+            for attempt in request.attempts:  # whatever still holds a lease has finished publishing
+                if attempt.lease is not None and attempt.lease.revoked_at is None:
+                    await self._leases.release(attempt.lease)

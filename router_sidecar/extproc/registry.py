@@ -8,9 +8,11 @@ access-log entries land here too, so a torn-down stream can be classified (clien
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from router_sidecar.request import DownstreamLoss, LogicalRequest
+from router_sidecar.liveness import LivenessMonitor
+from router_sidecar.request import AttemptRecord, DownstreamLoss, LogicalRequest
 
 
 @dataclass(slots=True)
@@ -18,6 +20,24 @@ class Live:
     request: LogicalRequest
     loss_cause: DownstreamLoss | None = None
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by the downstream stream: ends the client stream when the publishing replica is lost.
+    publisher_lost: Callable[[], Awaitable[None]] | None = None
+    _unwatch: Callable[[], None] | None = None
+
+    def watch_publisher(self, liveness: LivenessMonitor, record: AttemptRecord) -> None:
+        """After the first delta, the downstream stream answers for the attempt that publishes."""
+
+        async def lost(address: str) -> None:
+            if self.publisher_lost is not None:
+                await self.publisher_lost()
+
+        self.stop_watching()
+        self._unwatch = liveness.on_loss(record.replica, lost)
+
+    def stop_watching(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
 
 
 class Registry:

@@ -14,9 +14,12 @@ from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.downstream import DownstreamStream
 from router_sidecar.extproc.registry import Registry
 from router_sidecar.extproc.upstream import UpstreamStream
+from router_sidecar.fencing import AttemptLeases
 from router_sidecar.journal import Journal
+from router_sidecar.liveness import LivenessMonitor
 from router_sidecar.policy import Policy
-from router_sidecar.store import Store
+from router_sidecar.registry_store import ReplicaRegistry
+from router_sidecar.store import EtcdStore, Store
 from router_sidecar.tools import ToolLedger
 
 log = logging.getLogger(__name__)
@@ -28,12 +31,22 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Dispatches each ext_proc stream to the servicer of its filter placement (from initial metadata)."""
 
     def __init__(
-        self, *, policy: Policy, registry: Registry, journal: Journal, ledger: ToolLedger, gateway_id: str
+        self,
+        *,
+        policy: Policy,
+        registry: Registry,
+        journal: Journal,
+        ledger: ToolLedger,
+        leases: AttemptLeases,
+        liveness: LivenessMonitor,
+        gateway_id: str,
     ) -> None:
         self._policy = policy
         self._registry = registry
         self._journal = journal
         self._ledger = ledger
+        self._leases = leases
+        self._liveness = liveness
         self._gateway_id = gateway_id
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
@@ -44,10 +57,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 registry=self._registry,
                 journal=self._journal,
                 ledger=self._ledger,
+                leases=self._leases,
                 gateway_id=self._gateway_id,
             ).run(context)
         elif placement == "upstream":
-            await UpstreamStream(registry=self._registry, journal=self._journal).run(context)
+            await UpstreamStream(
+                registry=self._registry, journal=self._journal, leases=self._leases, liveness=self._liveness
+            ).run(context)
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -78,6 +94,9 @@ class SidecarServer:
         self.journal = Journal(
             store, retention_seconds=policy.journal.retention_seconds, gateway_id=gateway_id
         )
+        self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
+        # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
+        self.liveness = LivenessMonitor(ReplicaRegistry(store) if isinstance(store, EtcdStore) else None)
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(
@@ -85,6 +104,8 @@ class SidecarServer:
                 registry=self.registry,
                 journal=self.journal,
                 ledger=ToolLedger(store, policy.tools),
+                leases=self.leases,
+                liveness=self.liveness,
                 gateway_id=gateway_id,
             ),
             self._server,
@@ -101,5 +122,13 @@ class SidecarServer:
         await self._server.start()
         log.info("sidecar serving ext_proc on %s", self.bind)
 
+    def start_background(self) -> None:
+        """Lease keep-alive and the registry watch. Start them after forking any child process (Envoy):
+        a fork while gRPC client streams are busy can crash the child before it execs."""
+        self.leases.start()
+        self.liveness.start()
+
     async def stop(self, grace: float = 1.0) -> None:
         await self._server.stop(grace)
+        await self.liveness.stop()
+        await self.leases.stop()

@@ -5,6 +5,11 @@ chunks while our reply to the response headers is pending. So we hold the header
 the attempt's machine decides: release at the first delta (after the write-ahead journal record), retry
 (`:status 503` → Envoy's router retries on another host), or fail with a real error. After a release the
 stream ends with OK and Envoy forwards the rest of the response without us (DESIGN.md §5.7).
+
+Fencing: every attempt holds an etcd lease (its right to publish). A new attempt is let through to its
+replica only once the previous one can no longer publish. If the replica's heartbeat lapses while the
+attempt is held (liveness uncertain: frozen process, partition), the attempt is fenced — lease revoked,
+then the cancel ack or the lease's expiry awaited — and only then retried.
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 
 import grpc
 
 from router_sidecar.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
 from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.registry import Registry
+from router_sidecar.extproc.registry import Live, Registry
+from router_sidecar.fencing import AttemptLeases, FenceProof
 from router_sidecar.journal import Journal
+from router_sidecar.liveness import LivenessMonitor
 from router_sidecar.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
 from router_sidecar.store import StoreUnavailable
 
@@ -32,9 +40,17 @@ def new_attempt_id() -> str:
 
 
 class UpstreamStream:
-    def __init__(self, *, registry: Registry, journal: Journal) -> None:
+    def __init__(
+        self, *, registry: Registry, journal: Journal, leases: AttemptLeases, liveness: LivenessMonitor
+    ) -> None:
         self._registry = registry
         self._journal = journal
+        self._leases = leases
+        self._liveness = liveness
+        self._write_lock = asyncio.Lock()
+        self._decided = False  # the one final reply for this attempt has been written
+        self._fencing = False  # a liveness fence is under way: no release, whatever arrives
+        self._deferred: TriggerRetry | FailRequest | None = None  # decided before the headers arrived
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -50,38 +66,77 @@ class UpstreamStream:
             return
         request = live.request
         if not request.admits_attempt():
-            refusal = request.refuse_attempt()
-            self._journal.update(request)
-            await context.write(
-                m.immediate(refusal.status, refusal.body, extra_headers=[("x-request-id", request_id)])
-            )
+            await self._write_refusal(context, request, request.refuse_attempt())
+            return
+        if not await self._previous_attempt_fenced(request):
+            await self._write_refusal(context, request, request.refuse_attempt())
             return
         replica = str(attrs.get("upstream.address") or "unknown")
         attempt_id = new_attempt_id()
         record = request.begin_attempt(attempt_id, replica)
+        record.lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
         attempt = Attempt(request_id=request_id, attempt_id=attempt_id, number=record.number, replica=replica)
         self._journal.update(request)
+        lease_header = f"{record.lease.lease.id:x}" if record.lease.lease else ""
         await context.write(
             m.request_headers_reply(
-                m.header_mutation([("x-request-id", request_id), ("x-attempt-id", attempt_id)])
+                m.header_mutation(
+                    [
+                        ("x-request-id", request_id),
+                        ("x-attempt-id", attempt_id),
+                        ("x-attempt-lease", lease_header),
+                    ]
+                )
             )
         )
+
+        async def replica_lost(address: str) -> None:
+            await self._on_replica_lost(context, request, record, attempt)
+
+        unsubscribe = self._liveness.on_loss(replica, replica_lost)
         try:
-            await self._hold_until_decided(context, request, record, attempt)
+            await self._hold_until_decided(context, live, record, attempt)
         except asyncio.CancelledError:
+            # Envoy tore the attempt down (reset/refused, or the client left): its connection is gone,
+            # which is what fences it from this stream.
             decision = attempt.on_stream_lost()
             if isinstance(decision, AttemptFailed):
                 request.on_attempt_lost(record, decision)
                 self._journal.update(request)
+                self._release_in_background(record)
             raise
+        finally:
+            unsubscribe()
+
+    async def _previous_attempt_fenced(self, request: LogicalRequest) -> bool:
+        """Hold a retry until the attempt before it can no longer publish."""
+        previous = request.attempts[-1] if request.attempts else None
+        if previous is None or previous.lease is None or previous.lease.fenced.is_set():
+            return True
+        if not self._fencing_in_progress(previous):
+            # Envoy starts another attempt only once the previous upstream request is over: its closed
+            # connection is the proof that nothing more can arrive from it into this stream.
+            await self._leases.release(previous.lease, FenceProof.CONNECTION_CLOSED)
+            return True
+        try:
+            await asyncio.wait_for(previous.lease.fenced.wait(), previous.lease.ttl_seconds + 5)
+        except TimeoutError:
+            log.error("attempt %s never got fenced: refusing the retry", previous.attempt_id)
+            return False
+        return True
+
+    @staticmethod
+    def _fencing_in_progress(record: AttemptRecord) -> bool:
+        return (
+            record.lease is not None
+            and record.lease.revoked_at is not None
+            and not record.lease.fenced.is_set()
+        )
 
     async def _hold_until_decided(
-        self,
-        context: grpc.aio.ServicerContext,
-        request: LogicalRequest,
-        record: AttemptRecord,
-        attempt: Attempt,
+        self, context: grpc.aio.ServicerContext, live: Live, record: AttemptRecord, attempt: Attempt
     ) -> None:
+        request = live.request
         held_bodies = 0
         while True:
             message = await context.read()
@@ -90,8 +145,16 @@ class UpstreamStream:
                 if isinstance(decision, AttemptFailed):
                     request.on_attempt_lost(record, decision)
                     self._journal.update(request)
+                    self._release_in_background(record)
                 return
             which = message.WhichOneof("request")
+            if self._decided:
+                return
+            if which == "response_headers" and self._deferred is not None:
+                await self._write_outcome(context, request, self._deferred)
+                return
+            if self._fencing:
+                continue  # whatever the fenced attempt sends now is dropped; the fence decides
             if which == "response_headers":
                 headers = m.header_map(message.response_headers)
                 decision = attempt.on_response_headers(
@@ -99,36 +162,103 @@ class UpstreamStream:
                 )
             elif which == "response_body":
                 held_bodies += 1
-                decision = attempt.on_response_body(
-                    message.response_body.body, message.response_body.end_of_stream
-                )
+                body = message.response_body
+                decision = attempt.on_response_body(body.body, body.end_of_stream)
             else:
                 continue
             if isinstance(decision, Hold):
                 continue
+            if isinstance(decision, Release) and record.lease is not None and not record.lease.publishable():
+                continue  # lost its right to publish (fence under way, or lease not renewed): never release
             if isinstance(decision, Release | PassThrough):
-                if isinstance(decision, Release):
-                    request.on_attempt_released(record, first_delta=decision.first_delta)
-                    await self._write_ahead(request)
-                else:
-                    request.on_attempt_passed_through(record, decision.status)
-                    self._journal.update(request)
-                await context.write(m.response_headers_reply())
-                for _ in range(held_bodies):
-                    await context.write(m.RESPONSE_BODY_CONTINUE)
-                return  # leave the path: Envoy forwards the rest without us
+                await self._release(context, live, record, decision, held_bodies)
+                return
             outcome = request.on_attempt_failed(record, decision)
             self._journal.update(request)
+            await self._write_outcome(context, request, outcome)
+            self._release_in_background(record)
+            return
+
+    async def _release(
+        self,
+        context: grpc.aio.ServicerContext,
+        live: Live,
+        record: AttemptRecord,
+        decision: Release | PassThrough,
+        held_bodies: int,
+    ) -> None:
+        request = live.request
+        async with self._write_lock:
+            if self._decided or self._fencing:
+                return
+            self._decided = True
+            if isinstance(decision, Release):
+                request.on_attempt_released(record, first_delta=decision.first_delta)
+                await self._write_ahead(request)
+                # From here the downstream owns this attempt: it ends the stream if the replica is lost.
+                live.watch_publisher(self._liveness, record)
+            else:
+                request.on_attempt_passed_through(record, decision.status)
+                self._journal.update(request)
+            await context.write(m.response_headers_reply())
+            for _ in range(held_bodies):
+                await context.write(m.RESPONSE_BODY_CONTINUE)
+        # Leave the path: Envoy forwards the rest without us.
+
+    async def _on_replica_lost(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: LogicalRequest,
+        record: AttemptRecord,
+        attempt: Attempt,
+    ) -> None:
+        if self._decided or self._fencing:
+            return
+        failure = attempt.on_replica_lost()
+        if failure is None:
+            return
+        self._fencing = True
+        request.on_replica_lost(record)
+        self._journal.update(request)
+        started = time.monotonic()
+        proof = await self._leases.fence(record.lease) if record.lease is not None else None
+        request.on_attempt_fenced(record, proof.value if proof else None, time.monotonic() - started)
+        outcome = request.on_attempt_failed(record, failure, fence_proven=proof is not None)
+        self._journal.update(request)
+        if attempt.status is None:
+            self._deferred = outcome  # no response headers to answer yet: answer them when they come
+            return
+        await self._write_outcome(context, request, outcome)
+
+    async def _write_outcome(
+        self, context: grpc.aio.ServicerContext, request: LogicalRequest, outcome: TriggerRetry | FailRequest
+    ) -> None:
+        async with self._write_lock:
+            if self._decided:
+                return
+            self._decided = True
             if isinstance(outcome, TriggerRetry):
                 await context.write(_RETRY)
             else:
-                assert isinstance(outcome, FailRequest)
                 await context.write(
                     m.immediate(
                         outcome.status, outcome.body, extra_headers=[("x-request-id", request.request_id)]
                     )
                 )
-            return
+
+    async def _write_refusal(
+        self, context: grpc.aio.ServicerContext, request: LogicalRequest, refusal: FailRequest
+    ) -> None:
+        self._journal.update(request)
+        await context.write(
+            m.immediate(refusal.status, refusal.body, extra_headers=[("x-request-id", request.request_id)])
+        )
+
+    def _release_in_background(self, record: AttemptRecord) -> None:
+        if record.lease is not None and not record.lease.fenced.is_set() and not self._fencing:
+            lease = record.lease
+            lease.fenced.set()  # the closed connection is the proof; the revoke just tidies etcd
+            asyncio.get_running_loop().create_task(self._leases.release(lease, FenceProof.CONNECTION_CLOSED))
 
     async def _write_ahead(self, request: LogicalRequest) -> None:
         # first_delta_sent must be durable before the first byte of content can reach the client.

@@ -5,18 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from router_sidecar.supervise import start_etcd
 from tests.harness import Gateway, Sim
-
-
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("etcd")
-    child, endpoint = start_etcd(work / "data", log_path=work / "etcd.log")
-    try:
-        yield endpoint
-    finally:
-        child.stop()
 
 
 @pytest.fixture(scope="module")

@@ -262,7 +262,15 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
         now = stored(store, "tenant-a", "idem-1")
         assert now["first_delta_sent"] is True
         assert now["attempts"] == [
-            {"attempt": 1, "attempt_id": "a1", "replica": "r1", "outcome": "released", "detail": None}
+            {
+                "attempt": 1,
+                "attempt_id": "a1",
+                "replica": "r1",
+                "outcome": "released",
+                "detail": None,
+                "lease": None,
+                "fence": None,
+            }
         ]
         assert event_names(now) == ["request_accepted", "attempt_started", "first_delta_sent"]
         await settle()

@@ -182,6 +182,8 @@ def test_failures_before_first_delta(
             "replica": f"10.0.0.{n}:8000",
             "outcome": "failed",
             "detail": FAILURES[(n - 1) % len(FAILURES)].reason.value,
+            "lease": None,
+            "fence": None,
         }
         for n in range(1, max_attempts + 1)
     ]

@@ -1,0 +1,150 @@
+"""Attempt leases: an attempt's right to publish is its etcd lease.
+
+Each attempt gets a lease when it starts; the gateway keeps it alive (one loop for all attempts) while the
+attempt is legitimate. To fence an attempt the gateway revokes the lease and then waits until the old
+attempt provably can no longer publish: either its replica side acknowledged the cancel (it writes
+`/attempts/<id>/cancel_ack`), or the lease's expiry bound has passed — a replica side cut off from etcd
+stops on its own clock before the lease it last saw would expire. Only then may another attempt start.
+
+Whether the attempt may still publish is checked from local state (`publishable`), never with an etcd
+round trip per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from router_sidecar.store import Lease, Store, StoreUnavailable, keys
+
+log = logging.getLogger(__name__)
+
+# Slack added to the lease's expiry bound: clock-rate differences and the replica side's check interval
+# are covered by its own safety margin; this covers our side's measurement of "last refresh".
+EXPIRY_SLACK_SECONDS = 0.25
+
+
+class FenceProof(enum.StrEnum):
+    CANCEL_ACK = "cancel_ack"  # the replica side confirmed it stopped publishing
+    LEASE_EXPIRY = "lease_expiry"  # the lease's expiry bound passed: any holder has stopped on its own clock
+    CONNECTION_CLOSED = "connection_closed"  # the stream's connection is gone: nothing can arrive over it
+
+
+@dataclass(slots=True)
+class AttemptLease:
+    attempt_id: str
+    lease: Lease | None  # None: etcd was unreachable when the attempt started; it cannot be fenced by lease
+    granted_at: float  # wall clock, for the journal
+    refreshed_at: float  # monotonic time of the last successful grant/refresh
+    ttl_seconds: int
+    revoked_at: float | None = None  # wall clock
+    fenced: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def expiry_bound(self) -> float:
+        """Monotonic time after which no holder of this lease can still believe it valid."""
+        return self.refreshed_at + self.ttl_seconds + EXPIRY_SLACK_SECONDS
+
+    def publishable(self, now: float | None = None) -> bool:
+        """The local check before releasing bytes: not revoked, and not past its last known validity."""
+        if self.revoked_at is not None:
+            return False
+        if self.lease is None:
+            return True  # degraded mode (no etcd at start): nothing to check against
+        return (now if now is not None else time.monotonic()) < self.refreshed_at + self.ttl_seconds
+
+    def as_record(self) -> dict[str, object]:
+        return {
+            "lease_id": f"{self.lease.id:x}" if self.lease else None,
+            "ttl_seconds": self.ttl_seconds,
+            "granted_at": round(self.granted_at, 6),
+            "revoked_at": round(self.revoked_at, 6) if self.revoked_at else None,
+        }
+
+
+class AttemptLeases:
+    def __init__(self, store: Store, ttl_seconds: int) -> None:
+        self._store = store
+        self.ttl_seconds = ttl_seconds
+        self._active: dict[str, AttemptLease] = {}
+        self._keepalive: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive_loop())
+
+    async def stop(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+
+    async def grant(self, *, attempt_id: str, request_id: str, replica: str) -> AttemptLease:
+        """A lease for a new attempt, with its record under /attempts/ (removed with the lease)."""
+        try:
+            lease = await self._store.grant_lease(self.ttl_seconds)
+            record = {"attempt_id": attempt_id, "request_id": request_id, "replica": replica}
+            await self._store.put(keys.attempt(attempt_id), json.dumps(record).encode(), lease)
+        except StoreUnavailable as exc:
+            log.error("attempt %s runs without a lease (cannot be fenced by etcd): %s", attempt_id, exc)
+            lease = None
+        held = AttemptLease(attempt_id, lease, time.time(), time.monotonic(), self.ttl_seconds)
+        self._active[attempt_id] = held
+        return held
+
+    async def release(self, held: AttemptLease, proof: FenceProof | None = None) -> None:
+        """The attempt is over (finished, or its connection is gone): revoke its lease, best effort."""
+        self._active.pop(held.attempt_id, None)
+        if held.revoked_at is None:
+            held.revoked_at = time.time()
+            if held.lease is not None:
+                with contextlib.suppress(StoreUnavailable):
+                    await self._store.revoke_lease(held.lease)
+        if proof is not None:
+            held.fenced.set()
+
+    async def fence(self, held: AttemptLease) -> FenceProof | None:
+        """Revoke, then wait for the cancel ack or the expiry bound. None: cannot be proven (no lease)."""
+        self._active.pop(held.attempt_id, None)
+        if held.lease is None:
+            return None
+        if held.revoked_at is None:
+            held.revoked_at = time.time()
+            try:
+                await self._store.revoke_lease(held.lease)
+            except StoreUnavailable as exc:
+                # Not revoked, but not refreshed any more either: it expires on its own.
+                log.warning(
+                    "fence %s: revoke failed (%s); waiting for the lease to expire", held.attempt_id, exc
+                )
+        while time.monotonic() < held.expiry_bound:
+            try:
+                if await self._store.get(keys.cancel_ack(held.attempt_id)) is not None:
+                    held.fenced.set()
+                    return FenceProof.CANCEL_ACK
+            except StoreUnavailable:
+                pass
+            await asyncio.sleep(min(0.05, max(0.0, held.expiry_bound - time.monotonic())))
+        held.fenced.set()
+        return FenceProof.LEASE_EXPIRY
+
+    async def _keep_alive_loop(self) -> None:
+        interval = max(0.2, self.ttl_seconds / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for held in list(self._active.values()):
+                if held.lease is None or held.revoked_at is not None:
+                    continue
+                try:
+                    remaining = await self._store.refresh_lease(held.lease)
+                except StoreUnavailable as exc:
+                    log.warning("attempt lease %s not refreshed: %s", held.attempt_id, exc)
+                    continue
+                if remaining > 0:
+                    held.refreshed_at = time.monotonic()
+                else:  # revoked or expired server-side: the attempt lost its right to publish
+                    held.revoked_at = held.revoked_at or time.time()

@@ -1,0 +1,348 @@
+"""The replica registry in etcd: one lease-backed key per replica, and the readers the gateway uses.
+
+Layout: ``/router-sidecar/replicas/<advertise HOST:PORT>`` → JSON
+``{address, fingerprint: {fields}, digest, engine: {name, version, root, max_model_len}, registered_at,
+agent_id}``, attached to the agent's lease. The key lives exactly as long as the agent keeps the lease
+alive, so a replica whose agent died (or was cut off from etcd) disappears after the TTL on etcd's own
+clock; a clean withdrawal deletes the key and revokes the lease at once.
+
+`EtcdStore` has no prefix read, watch, delete or lease keep-alive yet; the raw aetcd calls needed for
+them are confined to `ReplicaRegistry.keep_alive`, `withdraw`, `_snapshot` and `watch_replicas`, so they
+can move into `store.py` unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router_sidecar.fingerprint import EngineInfo, Fingerprint, FingerprintError
+from router_sidecar.store import PREFIX, EtcdStore, Lease, StoreUnavailable
+
+__all__ = [
+    "REPLICAS_PREFIX",
+    "Heartbeat",
+    "Replica",
+    "ReplicaRegistry",
+    "open_store",
+    "replica_key",
+]
+
+log = logging.getLogger(__name__)
+
+REPLICAS_PREFIX = f"{PREFIX}/replicas/"
+
+
+def replica_key(address: str) -> str:
+    return f"{REPLICAS_PREFIX}{address}"
+
+
+# gRPC's default reconnect back-off grows to 120 s: after an etcd outage of a few seconds a client could
+# stay "unreachable" long after etcd is back. Capped at 1 s, recovery follows etcd within ~1-2 s.
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 250,
+    "grpc.min_reconnect_backoff_ms": 250,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
+def open_store(endpoint: str, *, timeout: float = 2.0) -> EtcdStore:
+    """An `EtcdStore` whose channel reconnects promptly (see CHANNEL_OPTIONS).
+
+    `EtcdStore` does not take channel options yet; aetcd reads them at its first (lazy) connect, so
+    setting them before any call is enough. This belongs in `EtcdStore.__init__`.
+    """
+    store = EtcdStore(endpoint, timeout=timeout)
+    store._client._options = dict(CHANNEL_OPTIONS)
+    return store
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One registration as the gateway sees it."""
+
+    address: str
+    fingerprint: Fingerprint
+    digest: str
+    engine_name: str | None
+    engine_version: str | None
+    engine: EngineInfo
+    registered_at: float
+    agent_id: str
+    lease_id: int = 0
+    mod_revision: int = 0
+
+    def to_value(self) -> bytes:
+        doc = {
+            "address": self.address,
+            "fingerprint": self.fingerprint.to_mapping(),
+            "digest": self.digest,
+            "engine": {"name": self.engine_name, "version": self.engine_version, **self.engine.to_mapping()},
+            "registered_at": self.registered_at,
+            "agent_id": self.agent_id,
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_value(cls, value: bytes, *, lease_id: int = 0, mod_revision: int = 0) -> Replica:
+        doc = json.loads(value)
+        fingerprint = Fingerprint.from_mapping(doc["fingerprint"])
+        engine = doc.get("engine") or {}
+        return cls(
+            address=doc["address"],
+            fingerprint=fingerprint,
+            digest=doc["digest"],
+            engine_name=engine.get("name"),
+            engine_version=engine.get("version"),
+            engine=EngineInfo(root=engine.get("root"), max_model_len=engine.get("max_model_len")),
+            registered_at=float(doc["registered_at"]),
+            agent_id=doc["agent_id"],
+            lease_id=lease_id,
+            mod_revision=mod_revision,
+        )
+
+    def same_content(self, other: Replica) -> bool:
+        """Equal except for ``registered_at``: re-publishing it would be a no-op for routing."""
+        return self.to_value() == dataclasses.replace(other, registered_at=self.registered_at).to_value()
+
+
+def _parse(key: bytes, value: bytes, lease_id: int, mod_revision: int) -> Replica | None:
+    try:
+        return Replica.from_value(value, lease_id=lease_id, mod_revision=mod_revision)
+    except (ValueError, KeyError, TypeError, FingerprintError) as exc:
+        # A record we cannot read (other schema, hand-written) is never routed to: skipping is the
+        # conservative choice, and the warning tells the operator why a replica is missing.
+        log.warning("ignoring unreadable replica record %s: %s", key.decode(errors="replace"), exc)
+        return None
+
+
+class ReplicaRegistry:
+    """Writer (agent side) and reader (gateway side) of the registry, on top of `EtcdStore`."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self.store = store
+        self._client = store._client  # raw aetcd for prefix reads, watch, delete, keep-alive
+
+    # -- agent side
+
+    async def put(self, replica: Replica, lease: Lease) -> None:
+        await self.store.put(replica_key(replica.address), replica.to_value(), lease)
+
+    async def keep_alive(self, lease: Lease) -> int:
+        """Refresh ``lease`` once; returns the remaining TTL in seconds, ≤ 0 when the lease is gone."""
+        reply = await self.store._call(self._client.refresh_lease(lease.id))
+        return int(reply.TTL) if reply is not None else 0
+
+    async def withdraw(self, address: str, lease: Lease | None) -> None:
+        """Delete the key first (watchers see an explicit leave), then revoke the lease."""
+        await self.store._call(self._client.delete(replica_key(address).encode()))
+        if lease is not None:
+            await self.store.revoke_lease(lease)
+
+    # -- gateway side
+
+    async def list_replicas(self) -> dict[str, Replica]:
+        replicas, _ = await self._snapshot(self._client)
+        return replicas
+
+    async def _snapshot(self, client: Any) -> tuple[dict[str, Replica], int]:
+        result = await self.store._call(client.get_prefix(REPLICAS_PREFIX.encode()))
+        replicas: dict[str, Replica] = {}
+        for kv in result:
+            replica = _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
+            if replica is not None:
+                replicas[replica.address] = replica
+        return replicas, int(result.header.revision)
+
+    def _watch_client(self) -> Any:
+        import aetcd
+
+        host, _, port = self.store.endpoint.rpartition(":")
+        return aetcd.Client(
+            host=host, port=int(port), timeout=self.store._timeout, options=dict(CHANNEL_OPTIONS)
+        )
+
+    async def watch_replicas(
+        self, *, retry_interval: float = 1.0, resync_interval: float = 10.0
+    ) -> AsyncIterator[dict[str, Replica]]:
+        """Yield the full registry now, then again after every change (address → Replica).
+
+        Reads the registry, then watches from the revision of that read, so nothing in between is
+        lost. Each watch session has its own etcd client, closed when the session ends, so the prompt
+        reconnect policy (CHANNEL_OPTIONS) applies even to a store made without it, and a broken
+        session leaves no state behind in the shared store. If etcd goes away the iterator retries every
+        ``retry_interval``; every ``resync_interval`` without events it re-reads the registry, which
+        also catches a watch that went silent (frozen etcd, a stream that ended without an error).
+        Only snapshots that differ from the last one yielded are yielded.
+        """
+        last: dict[str, Replica] | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            client = self._watch_client()
+            pump: asyncio.Task[None] | None = None
+            try:
+                current, revision = await self._snapshot(client)
+                if last is None or not _same(current, last):
+                    last = dict(current)
+                    yield dict(current)
+                watch = await self.store._call(
+                    client.watch_prefix(REPLICAS_PREFIX.encode(), start_revision=revision + 1)
+                )
+                events: asyncio.Queue[Any] = asyncio.Queue()
+                pump = asyncio.create_task(_pump(watch, events))
+                deadline = loop.time() + resync_interval
+                while True:
+                    try:
+                        event = await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))
+                    except TimeoutError:
+                        fresh, _ = await self._snapshot(client)
+                        if not _same(fresh, current):
+                            log.warning("replica registry watch missed a change; watching again")
+                            break
+                        deadline = loop.time() + resync_interval
+                        continue
+                    if isinstance(event, BaseException):
+                        raise event
+                    if event is None:
+                        log.warning("replica registry watch ended; watching again")
+                        break
+                    _apply(current, event)
+                    if not _same(current, last):
+                        last = dict(current)
+                        yield dict(current)
+                    deadline = loop.time() + resync_interval
+            except StoreUnavailable as exc:
+                log.warning("replica registry watch: %s; retrying", exc)
+            except Exception as exc:
+                if not type(exc).__module__.startswith("aetcd"):
+                    raise
+                log.warning("replica registry watch lost: %s; retrying", exc)
+            finally:
+                if pump is not None:
+                    pump.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pump
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.close(), 1.0)
+            await asyncio.sleep(retry_interval)
+
+
+async def _pump(watch: Any, events: asyncio.Queue[Any]) -> None:
+    """Move watch events into a queue (None at the end, or the error), so the reader can time out."""
+    try:
+        async for event in watch:
+            events.put_nowait(event)
+        events.put_nowait(None)
+    except Exception as exc:
+        events.put_nowait(exc)
+
+
+def _apply(current: dict[str, Replica], event: Any) -> None:
+    kv = event.kv
+    address = kv.key.decode()[len(REPLICAS_PREFIX) :]
+    replica = None if event.kind == "DELETE" else _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
+    if replica is None:
+        current.pop(address, None)
+    else:
+        current[address] = replica
+
+
+def _same(a: Mapping[str, Replica], b: Mapping[str, Replica]) -> bool:
+    # Lease and revision included: a replica re-registered under a new lease (say, after an etcd
+    # outage the reader did not see) is a change, even if the stored value is byte-identical.
+    return a == b
+
+
+@dataclass
+class Heartbeat:
+    """One replica's registration and its keep-alive loop.
+
+    The agent says what it wants (`publish` a record, or `withdraw`); the heartbeat makes etcd match
+    and keeps it matching: it refreshes the lease every ``interval``, and if the lease was lost (etcd
+    was unreachable for longer than the TTL) or a write failed, it re-registers with a new lease as
+    soon as etcd answers again. All etcd writes go through one lock, so a withdrawal can never be
+    overtaken by a concurrent re-registration.
+    """
+
+    registry: ReplicaRegistry
+    address: str
+    ttl: int
+    interval: float
+    lease: Lease | None = None
+    wanted: Replica | None = None  # None: the replica must not be registered
+    in_sync: bool = False  # etcd holds exactly `wanted` (or nothing, when wanted is None)
+    registrations: int = 0  # successful (re-)registrations, for logs and tests
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _etcd_ok: bool = True
+
+    @property
+    def registered(self) -> bool:
+        return self.wanted is not None and self.in_sync
+
+    async def publish(self, replica: Replica) -> bool:
+        """Register (or update) ``replica``; returns whether etcd holds it now."""
+        async with self._lock:
+            if self.wanted is not None and self.wanted.same_content(replica):
+                if self.in_sync:
+                    return True
+                replica = self.wanted  # keep registered_at: this is the same registration being repaired
+            self.wanted, self.in_sync = replica, False
+            await self._sync()
+            return self.in_sync
+
+    async def withdraw(self) -> bool:
+        """Remove the registration; returns whether etcd confirmed it (else the loop retries)."""
+        async with self._lock:
+            if self.wanted is None and self.in_sync:
+                return True
+            self.wanted, self.in_sync = None, False
+            await self._sync()
+            return self.in_sync
+
+    async def run(self) -> None:
+        """Keep-alive loop; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            async with self._lock:
+                await self._sync(refresh=True)
+
+    async def _sync(self, *, refresh: bool = False) -> None:
+        try:
+            if self.wanted is None:
+                if self.lease is not None or not self.in_sync:
+                    await self.registry.withdraw(self.address, self.lease)
+                    self.lease = None
+                self.in_sync = True
+            else:
+                if self.lease is not None and (refresh or not self.in_sync):
+                    remaining = await self.registry.keep_alive(self.lease)
+                    if remaining <= 0:
+                        log.warning("lease %x of %s expired; registering again", self.lease.id, self.address)
+                        self.lease, self.in_sync = None, False
+                if self.lease is None:
+                    self.lease = await self.registry.store.grant_lease(self.ttl)
+                if not self.in_sync:
+                    await self.registry.put(self.wanted, self.lease)
+                    self.in_sync = True
+                    self.registrations += 1
+            if not self._etcd_ok:
+                log.info("etcd reachable again; registry in sync for %s", self.address)
+            self._etcd_ok = True
+        except StoreUnavailable as exc:
+            # Keep the lease id: after a short outage (or an etcd restart, which renews leases) it may
+            # still be valid, and re-using it avoids a spurious leave/join for the gateways.
+            self.in_sync = False
+            if self._etcd_ok:
+                log.warning("etcd unreachable (%s); will re-register when it is back", exc)
+            self._etcd_ok = False
+
+    async def close(self, timeout: float = 3.0) -> None:
+        """Withdraw within ``timeout``; if etcd does not answer, the lease expires on its own."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.withdraw(), timeout)

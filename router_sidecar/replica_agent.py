@@ -1,0 +1,313 @@
+"""`router-sidecar replica`: register one engine replica in etcd while, and only while, it is healthy.
+
+Every ``interval`` seconds the agent probes the engine (``/health``, then ``/v1/models`` and ``/version``),
+builds the fingerprint (file merged with what the engine reports, see `fingerprint`), and makes the
+registry match: healthy → registered under a lease kept alive by `Heartbeat`; unhealthy (non-200,
+refused, timed out, unreadable) → withdrawn at once (key deleted, lease revoked). An engine that comes
+back is registered again with a fresh fingerprint (it may have been upgraded meanwhile).
+
+Exit codes: 0 after SIGTERM/SIGINT (registration withdrawn first); 2 for configuration errors: etcd
+unreachable at start, invalid fingerprint file, file and engine disagreeing, ``--interval`` ≥ ``--ttl``.
+etcd lost later is not fatal: the agent keeps probing and re-registers (new lease if the old one expired)
+when etcd answers again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from router_sidecar.fingerprint import (
+    EngineInfo,
+    Fingerprint,
+    FingerprintError,
+    from_engine,
+    load_fingerprint_file,
+    merge,
+)
+from router_sidecar.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
+from router_sidecar.store import EtcdStore, StoreUnavailable
+
+__all__ = ["AgentOptions", "EngineDown", "EngineProbe", "ReplicaAgent", "http_get", "main_async"]
+
+log = logging.getLogger("router_sidecar.replica")
+
+_MAX_BODY = 1 << 20
+
+
+class ConfigError(Exception):
+    """A start-up or configuration problem: reported on stderr, exit code 2."""
+
+
+class EngineDown(Exception):
+    """The engine did not answer a probe properly; the message says how."""
+
+
+def split_hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+async def http_get(host: str, port: int, path: str, timeout: float) -> tuple[int, bytes]:
+    """A minimal HTTP/1.1 GET (Connection: close); the project has no HTTP client dependency."""
+    host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            request = (
+                f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\nAccept: application/json\r\n"
+                "User-Agent: router-sidecar-replica\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(request.encode())
+            await writer.drain()
+            raw = b""
+            while len(raw) <= _MAX_BODY:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                raw += chunk
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if not sep or len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise EngineDown(f"GET {path}: not an HTTP response")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _dechunk(body)
+    elif b"content-length" in headers and headers[b"content-length"].isdigit():
+        body = body[: int(headers[b"content-length"])]
+    return int(parts[1]), body
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, rest = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        data = rest[size + 2 :]
+    return out
+
+
+class EngineProbe:
+    """The engine's OpenAI-compatible server, as seen by the agent."""
+
+    def __init__(self, engine: str, *, timeout: float) -> None:
+        self.host, self.port = split_hostport(engine)
+        self.timeout = timeout
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        try:
+            return await http_get(self.host, self.port, path, self.timeout)
+        except TimeoutError as exc:
+            raise EngineDown(f"GET {path}: no answer within {self.timeout:g}s") from exc
+        except OSError as exc:
+            raise EngineDown(f"GET {path}: {exc.strerror or exc}") from exc
+
+    async def _json(self, path: str) -> Any:
+        status, body = await self._get(path)
+        if status != 200:
+            raise EngineDown(f"GET {path}: HTTP {status}")
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise EngineDown(f"GET {path}: body is not JSON") from exc
+
+    async def check(self, model_id: str | None) -> tuple[Fingerprint, EngineInfo]:
+        """Health first (it is the engine's own readiness verdict), then what it says about itself."""
+        status, _ = await self._get("/health")
+        if status != 200:
+            raise EngineDown(f"GET /health: HTTP {status}")
+        models, version = await asyncio.gather(self._json("/v1/models"), self._json("/version"))
+        return from_engine(models, version, model_id=model_id)
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    engine: str
+    advertise: str
+    etcd: str
+    fingerprint_file: str | None = None
+    ttl: int = 10
+    interval: float = 2.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AgentOptions:
+        return cls(
+            engine=args.engine,
+            advertise=args.advertise,
+            etcd=args.etcd,
+            fingerprint_file=args.fingerprint,
+            ttl=args.ttl,
+            interval=args.interval,
+        )
+
+    def validate(self) -> None:
+        for flag, value in (
+            ("--engine", self.engine),
+            ("--advertise", self.advertise),
+            ("--etcd", self.etcd),
+        ):
+            try:
+                split_hostport(value)
+            except ValueError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
+        if self.ttl < 1:
+            raise ConfigError(f"--ttl must be ≥ 1 second, got {self.ttl}")
+        if not 0 < self.interval < self.ttl:
+            # The lease is refreshed once per interval: at or above the TTL it would lapse between
+            # refreshes and the replica would flap in and out of the registry.
+            raise ConfigError(f"--interval must be > 0 and < --ttl ({self.ttl}s), got {self.interval:g}")
+
+
+class ReplicaAgent:
+    def __init__(self, options: AgentOptions, declared: Fingerprint, store: EtcdStore) -> None:
+        self.options = options
+        self.declared = declared
+        self.agent_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # A probe must not outlive the tick: a frozen engine then shows up as down within one interval.
+        self.probe = EngineProbe(options.engine, timeout=max(0.2, min(options.interval, 2.0)))
+        self.heartbeat = Heartbeat(
+            ReplicaRegistry(store), options.advertise, ttl=options.ttl, interval=options.interval
+        )
+        self._healthy: bool | None = None
+        self._ready_printed = False
+
+    async def tick(self) -> None:
+        try:
+            probed, info = await self.probe.check(self.declared.model_id)
+        except EngineDown as exc:
+            if self._healthy is not False:
+                log.warning("engine %s unhealthy (%s); withdrawing", self.options.engine, exc)
+            self._healthy = False
+            await self.heartbeat.withdraw()
+            return
+        try:
+            fingerprint = merge(self.declared, probed)
+        except FingerprintError:
+            await self.heartbeat.withdraw()
+            raise
+        replica = Replica(
+            address=self.options.advertise,
+            fingerprint=fingerprint,
+            digest=fingerprint.digest(),
+            engine_name=fingerprint.engine_name,
+            engine_version=fingerprint.engine_version,
+            engine=info,
+            registered_at=time.time(),
+            agent_id=self.agent_id,
+        )
+        previous = self.heartbeat.wanted
+        if previous is not None and previous.digest != replica.digest:
+            log.warning("engine fingerprint changed: %s → %s", previous.digest, replica.digest)
+        if self._healthy is not True:
+            log.info("engine %s healthy; fingerprint %s", self.options.engine, replica.digest)
+            unknown = fingerprint.unknown_fields()
+            if unknown:
+                # Unknown is part of the digest (never matches a known value), but the operator should
+                # state these in --fingerprint so that equal replicas are recognisably equal.
+                log.warning("fingerprint fields neither in the file nor reported: %s", ", ".join(unknown))
+        self._healthy = True
+        await self.heartbeat.publish(replica)
+
+    def _report(self) -> None:
+        if self.heartbeat.registered and not self._ready_printed:
+            self._ready_printed = True
+            wanted, lease = self.heartbeat.wanted, self.heartbeat.lease
+            assert wanted is not None and lease is not None
+            print(
+                f"ready: replica {self.options.advertise} registered in etcd {self.options.etcd} "
+                f"digest {wanted.digest} lease {lease.id:x} ttl {lease.ttl_seconds}s "
+                f"interval {self.options.interval:g}s",
+                flush=True,
+            )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        keep_alive = asyncio.create_task(self.heartbeat.run(), name="replica-heartbeat")
+        loop = asyncio.get_running_loop()
+        try:
+            while not stop.is_set():
+                started = loop.time()
+                tick = asyncio.create_task(self.tick())
+                stopped = asyncio.create_task(stop.wait())
+                await asyncio.wait({tick, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+                if not tick.done():  # asked to stop mid-probe: the withdrawal below is what matters
+                    tick.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await tick
+                    break
+                tick.result()  # configuration errors end the agent
+                self._report()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        stop.wait(), max(0.0, started + self.options.interval - loop.time())
+                    )
+        finally:
+            keep_alive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keep_alive
+            await self.heartbeat.close()
+            if self.heartbeat.wanted is None and self.heartbeat.in_sync:
+                log.info("replica %s withdrawn", self.options.advertise)
+            else:
+                log.warning("could not withdraw %s; its lease will expire", self.options.advertise)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    options = AgentOptions.from_args(args)
+    try:
+        options.validate()
+        declared = (
+            load_fingerprint_file(options.fingerprint_file) if options.fingerprint_file else Fingerprint()
+        )
+    except (ConfigError, FingerprintError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = open_store(options.etcd)
+    try:
+        try:
+            await store.check()
+        except StoreUnavailable as exc:
+            print(
+                f"error: etcd at {options.etcd} is unreachable ({exc}). Start etcd there, or point --etcd "
+                "at a running one.",
+                file=sys.stderr,
+            )
+            return 2
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        agent = ReplicaAgent(options, declared, store)
+        try:
+            await agent.run(stop)
+        except FingerprintError as exc:
+            print(f"error: engine {options.engine}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    finally:
+        await store.close()
