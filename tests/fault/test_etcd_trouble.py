@@ -67,8 +67,11 @@ def test_etcd_down_serving_continues_without_unprovable_retries(
         lookup = httpx.get(f"{gateway.url}/v1/requests/{served.request_id}", timeout=10)
         assert lookup.status_code == 503 and lookup.json()["error"]["code"] == "journal_unavailable"
         # A failure before the first delta is NOT retried: nothing could prove the retry safe.
-        failed = post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=3),
-                      headers={"x-sim-fault": "status503@headers attempt=1", "idempotency-key": "no-etcd"})
+        failed = post(
+            f"{gateway.url}/v1/chat/completions",
+            chat(max_tokens=3),
+            headers={"x-sim-fault": "status503@headers attempt=1", "idempotency-key": "no-etcd"},
+        )
         assert failed.status == 502
         error = json.loads(failed.body)["error"]
         assert error["code"] == "retry_not_allowed" and "etcd" in error["message"]

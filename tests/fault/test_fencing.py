@@ -8,6 +8,7 @@ a byte to the client.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 import threading
@@ -30,10 +31,26 @@ POLICY = f"leases:\n  attempt_ttl_seconds: {LEASE_TTL}\n"
 class Agent:
     def __init__(self, sim: Sim, etcd: str, work: Path) -> None:
         self.out = work / f"agent-{sim.name}.out"
-        argv = [sys.executable, "-m", "router_sidecar", "replica", "--engine", sim.endpoint,
-                "--advertise", sim.endpoint, "--etcd", etcd, "--ttl", "2", "--interval", "0.3"]
+        argv = [
+            sys.executable,
+            "-m",
+            "router_sidecar",
+            "replica",
+            "--engine",
+            sim.endpoint,
+            "--advertise",
+            sim.endpoint,
+            "--etcd",
+            etcd,
+            "--ttl",
+            "2",
+            "--interval",
+            "0.3",
+        ]
         self.child = Child(f"agent-{sim.name}", argv, log_path=self.out)
-        wait_until(lambda: "ready" in self.out.read_text(), timeout=15, what="agent registered", child=self.child)
+        wait_until(
+            lambda: "ready" in self.out.read_text(), timeout=15, what="agent registered", child=self.child
+        )
 
     def stop(self) -> None:
         self.child.stop()
@@ -56,7 +73,8 @@ def cluster(etcd: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
         for agent in agents:
             agent.stop()
         for sim in sims.values():
-            sim.child.signal(signal.SIGCONT) if sim.child else None
+            if sim.child is not None:
+                sim.child.signal(signal.SIGCONT)
             sim.stop()
 
 
@@ -77,7 +95,7 @@ def events_in_order(journal: dict[str, Any]) -> list[tuple[str, int | None]]:
 def assert_leases_never_overlap(journal: dict[str, Any]) -> None:
     """Invariant 4: no two attempts of one request held a valid publish lease at the same time."""
     leases = [a["lease"] for a in journal["attempts"]]
-    for earlier, later in zip(leases, leases[1:], strict=False):
+    for earlier, later in itertools.pairwise(leases):
         assert earlier["revoked_at"] is not None
         assert earlier["revoked_at"] <= later["granted_at"], (earlier, later)
 
@@ -86,9 +104,16 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
     gateway, sims = cluster
     key = "frozen-in-prefill"
     result: dict[str, ClientResult] = {}
-    client = threading.Thread(target=lambda: result.setdefault("r", post(
-        f"{gateway.url}/v1/chat/completions", chat(max_tokens=4),
-        headers={"idempotency-key": key, "x-sim-fault": "delay@role for=1.5"})))
+    client = threading.Thread(
+        target=lambda: result.setdefault(
+            "r",
+            post(
+                f"{gateway.url}/v1/chat/completions",
+                chat(max_tokens=4),
+                headers={"idempotency-key": key, "x-sim-fault": "delay@role for=1.5"},
+            ),
+        )
+    )
     client.start()
     frozen = serving_sim(sims, key)
     assert frozen.child is not None
@@ -108,7 +133,11 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
     assert first["fence"]["proof"] == "lease_expiry"
     order = events_in_order(journal)
     # The order the article requires: replica lost → fenced → only then another attempt.
-    assert order.index(("replica_lost", 1)) < order.index(("attempt_fenced", 1)) < order.index(("attempt_started", 2))
+    assert (
+        order.index(("replica_lost", 1))
+        < order.index(("attempt_fenced", 1))
+        < order.index(("attempt_started", 2))
+    )
     assert_leases_never_overlap(journal)
     # The resumed replica carried on into a connection that was gone: nothing of it reached the client.
     resumed = poll(lambda: frozen.requests_for(key), timeout=15, what="the resumed replica's record")
@@ -123,9 +152,15 @@ def test_frozen_after_first_delta_ends_with_terminal_frame(cluster: tuple[Gatewa
     done = threading.Event()
 
     def read() -> None:
-        with httpx.Client(timeout=30) as http, http.stream(
-            "POST", f"{gateway.url}/v1/chat/completions", json=chat(max_tokens=200),
-            headers={"idempotency-key": key}) as response:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream(
+                "POST",
+                f"{gateway.url}/v1/chat/completions",
+                json=chat(max_tokens=200),
+                headers={"idempotency-key": key},
+            ) as response,
+        ):
             for chunk in response.iter_raw():
                 raw.extend(chunk)
                 got = ClientResult(200, {}, bytes(raw), events=split_events(bytes(raw))).content_chunks()
