@@ -43,7 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gw = sub.add_parser("gateway", help="run Envoy + the sidecar in front of replicas")
     gw.add_argument("--listen", type=_endpoint, required=True, help="client-facing HOST:PORT")
     gw.add_argument(
-        "--replica", type=_endpoint, action="append", required=True, help="replica HOST:PORT (repeat)"
+        "--replica",
+        type=_endpoint,
+        action="append",
+        default=[],
+        help="static replica HOST:PORT (repeat); without any, replicas are discovered from the etcd registry",
     )
     gw.add_argument("--etcd", required=True, help="etcd HOST:PORT")
     gw.add_argument("--config", help="policy YAML (see policy.example.yaml); defaults apply without it")

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +87,6 @@ def _seconds(value: float) -> str:
 
 
 def render(spec: GatewaySpec) -> str:
-    if not spec.replicas:
-        raise ValueError("at least one --replica HOST:PORT is required")
     p = spec.policy
     endpoints = [
         {"endpoint": {"address": {"socket_address": {"address": r.host, "port_value": r.port}}}}
@@ -95,6 +94,7 @@ def render(spec: GatewaySpec) -> str:
     ]
     values = {
         "admin_port": spec.admin_port,
+        "node_id": f"{socket.gethostname()}-gateway-{spec.listen.port}",
         "listen_host": spec.listen.host,
         "listen_port": spec.listen.port,
         # The downstream filter buffers the request body; past this Envoy answers 413 itself.
@@ -107,15 +107,17 @@ def render(spec: GatewaySpec) -> str:
         "max_concurrent_retries": p.budgets.max_concurrent_retries,
         "retry_budget_percent": float(p.budgets.retry_budget_percent),
         "min_retry_concurrency": p.budgets.min_retry_concurrency,
-        "replica_discovery": "STATIC" if all(r.is_ip for r in spec.replicas) else "STRICT_DNS",
+        "replica_discovery": "STATIC" if all(r.is_ip for r in spec.replicas) else "STRICT_DNS",  # EDS: below
         "replica_endpoints": json.dumps(endpoints),
         "sidecar_socket": json.dumps(str(spec.sidecar_socket)),
         "access_log_path": json.dumps(str(spec.access_log_path)),
     }
     text = Template((TEMPLATE_DIR / "gateway.yaml").read_text()).substitute(values)
-    if not spec.tools:
+    if not spec.tools and spec.replicas:
         return text
     config = yaml.safe_load(text)
+    if not spec.replicas:
+        _discover_replicas(config)
     routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "route_config"
     ]["virtual_hosts"][0]["routes"]
@@ -124,6 +126,25 @@ def render(spec: GatewaySpec) -> str:
         routes.insert(0, _tool_route(name, p))
         clusters.append(_tool_cluster(name, endpoint, p))
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def _discover_replicas(config: dict[str, Any]) -> None:
+    """No static replicas: cluster `llm` takes its endpoints from the sidecar's EDS (the etcd registry)."""
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
+    cluster.pop("load_assignment")
+    cluster["type"] = "EDS"
+    cluster["eds_cluster_config"] = {
+        "service_name": "llm",
+        "eds_config": {
+            "resource_api_version": "V3",
+            "api_config_source": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "sidecar"}}],
+                "set_node_on_first_message_only": True,
+            },
+        },
+    }
 
 
 def _tool_route(name: str, policy: Policy) -> dict[str, Any]:

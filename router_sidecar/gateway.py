@@ -68,6 +68,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         policy=options.policy,
         store=store,
         gateway_id=f"{socket.gethostname()}:{options.listen}",
+        discovery=not options.replicas,
     )
     envoy_child: Child | None = None
     try:

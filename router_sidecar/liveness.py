@@ -35,7 +35,10 @@ class LivenessMonitor:
         self._ever_registered: set[str] = set()
         self._watchers: dict[str, set[LossCallback]] = {}
         self._task: asyncio.Task[None] | None = None
-        self.changed = asyncio.Event()  # set after every registry change (tests, discovery)
+        self.changed = (
+            asyncio.Event()
+        )  # set (and replaced) after every registry change: discovery waits on it
+        self.first_snapshot = asyncio.Event()
 
     def start(self) -> None:
         if self._registry is not None:
@@ -71,6 +74,7 @@ class LivenessMonitor:
             lost = set(self.replicas) - set(snapshot)
             self.replicas = snapshot
             self._ever_registered.update(snapshot)
+            self.first_snapshot.set()
             self.changed.set()
             self.changed = asyncio.Event()
             for address in lost:

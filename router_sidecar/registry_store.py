@@ -136,8 +136,7 @@ class ReplicaRegistry:
 
     async def keep_alive(self, lease: Lease) -> int:
         """Refresh ``lease`` once; returns the remaining TTL in seconds, ≤ 0 when the lease is gone."""
-        reply = await self.store._call(self._client.refresh_lease(lease.id))
-        return int(reply.TTL) if reply is not None else 0
+        return await self.store.refresh_lease(lease)
 
     async def withdraw(self, address: str, lease: Lease | None) -> None:
         """Delete the key first (watchers see an explicit leave), then revoke the lease."""

@@ -49,6 +49,7 @@ class Outcome(enum.StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     RETRY_NOT_ALLOWED = "retry_not_allowed"
     FENCE_UNPROVABLE = "fence_unprovable"
+    NO_COMPATIBLE_REPLICA = "no_compatible_replica"
     UPSTREAM_ERROR = "upstream_error"
     INVALID_REQUEST = "invalid_request"
 
@@ -140,6 +141,7 @@ class LogicalRequest:
         self.first_delta_sent = False
         self.attempts: list[AttemptRecord] = []
         self.model_revision: str | None = None
+        self.fingerprint_digest: str | None = None  # the compatibility group every attempt is pinned to
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
         cap = policy.reprefill_cost_cap.max_prompt_tokens
         # Why no retry may ever start for this request (None: retries allowed within the budget).
@@ -254,8 +256,16 @@ class LogicalRequest:
             [], "the replica's heartbeat lapsed after the first delta; its attempt was fenced"
         )
 
+    def pin(self, fingerprint_digest: str, model_revision: str | None) -> None:
+        self.fingerprint_digest, self.model_revision = fingerprint_digest, model_revision
+
     def on_attempt_failed(
-        self, record: AttemptRecord, failure: AttemptFailed, *, fence_proven: bool = True
+        self,
+        record: AttemptRecord,
+        failure: AttemptFailed,
+        *,
+        fence_proven: bool = True,
+        no_compatible_replica: str | None = None,
     ) -> TriggerRetry | FailRequest:
         """A held attempt failed in a way the sidecar saw: retry elsewhere, or answer a real error.
 
@@ -273,6 +283,13 @@ class LogicalRequest:
         if self.phase is not Phase.PREFILL:
             # Unreachable by construction (attempts only fail while held), kept as a hard guard.
             raise RuntimeError("an attempt failed after the first delta was delivered")
+        if record.number < self.max_attempts and no_compatible_replica is not None:
+            self._emit(EventName.RETRY_REFUSED, record.number, reason=Outcome.NO_COMPATIBLE_REPLICA.value)
+            self._finish(Phase.FAILED, Outcome.NO_COMPATIBLE_REPLICA)
+            why = f"no compatible replica is left to retry on: {no_compatible_replica}"
+            return FailRequest(
+                status=503, body=self.error_body(Outcome.NO_COMPATIBLE_REPLICA, why, retryable=True)
+            )
         if record.number < self.max_attempts:
             self._emit(EventName.RETRY_TRIGGERED, record.number, reason=failure.reason.value)
             return TriggerRetry(failure.reason.value)
@@ -394,6 +411,7 @@ class LogicalRequest:
             "first_delta_sent": self.first_delta_sent,
             "model": self.parsed.model,
             "model_revision": self.model_revision,
+            "fingerprint_digest": self.fingerprint_digest,
             "retry_budget": self.retry_budget,
             "delivered_output_tokens": self.delivered_output_tokens,
             "delivered_output_tokens_source": self.delivered_tokens_source,

@@ -90,6 +90,54 @@ class Sim:
         return [r for r in self.records() if r.get("request_id") == request_id and r.get("event") == "end"]
 
 
+class Agent:
+    """`router-sidecar replica` for one simulated replica: a lease-backed heartbeat in the registry."""
+
+    def __init__(
+        self,
+        sim: Sim,
+        etcd: str,
+        work: Path,
+        *,
+        fingerprint: Path | None = None,
+        ttl: int = 2,
+        interval: float = 0.3,
+    ) -> None:
+        self.sim = sim
+        self.out = work / f"agent-{sim.name}.out"
+        self._argv = [
+            PYTHON,
+            "-m",
+            "router_sidecar",
+            "replica",
+            "--engine",
+            sim.endpoint,
+            "--advertise",
+            sim.endpoint,
+            "--etcd",
+            etcd,
+            "--ttl",
+            str(ttl),
+            "--interval",
+            str(interval),
+        ]
+        if fingerprint is not None:
+            self._argv += ["--fingerprint", str(fingerprint)]
+        self.child: Child | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.out.write_text("")
+        self.child = Child(f"agent-{self.sim.name}", self._argv, log_path=self.out)
+        wait_until(
+            lambda: "ready" in self.out.read_text(), timeout=15, what="agent registered", child=self.child
+        )
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+
 class Gateway:
     """`router-sidecar gateway` as a subprocess, exactly as a user runs it."""
 

@@ -19,12 +19,15 @@ import time
 import urllib.parse
 
 import grpc
+from google.protobuf.struct_pb2 import Struct
 
+from router_sidecar.discovery import choose_pin, pin_metadata
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live, Registry
 from router_sidecar.extproc.tool_calls import ToolCallStream
 from router_sidecar.fencing import AttemptLeases
 from router_sidecar.journal import ClaimConflict, Journal
+from router_sidecar.liveness import LivenessMonitor
 from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
 from router_sidecar.policy import Policy
 from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
@@ -86,8 +89,12 @@ class DownstreamStream:
         journal: Journal,
         ledger: ToolLedger,
         leases: AttemptLeases,
+        liveness: LivenessMonitor,
+        discovery: bool,
         gateway_id: str,
     ) -> None:
+        self._liveness = liveness
+        self._discovery = discovery  # replicas come from the registry (EDS): pin each request to a group
         self._policy = policy
         self._registry = registry
         self._journal = journal
@@ -228,6 +235,25 @@ class DownstreamStream:
         request = LogicalRequest(
             request_id=request_id, tenant=self._tenant, parsed=parsed, policy=self._policy
         )
+        pin: Struct | None = None
+        if self._discovery:
+            pinned = choose_pin(self._liveness.replicas, parsed.model)
+            if pinned is None:
+                self.state = DownstreamState.ANSWERED
+                served = sorted({r.fingerprint.model_id or "?" for r in self._liveness.replicas.values()})
+                if not served:
+                    return _error(
+                        503, "no_replica", "no healthy replica is registered; try again later", request_id
+                    )
+                return _error(
+                    404,
+                    "model_not_found",
+                    f"no healthy replica serves model {parsed.model!r}; served: {', '.join(served)}",
+                    request_id,
+                )
+            # Every attempt of this request goes to this compatibility group only (subset load balancing).
+            request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
+            pin = pin_metadata(pinned.digest)
         live = self._registry.add(request)
         if live is None:
             self.state = DownstreamState.ANSWERED
@@ -267,7 +293,7 @@ class DownstreamStream:
         self._live = live
         live.publisher_lost = self._on_publisher_lost
         self.state = DownstreamState.TRACKING
-        return m.request_body_reply()
+        return m.request_body_reply(dynamic_metadata=pin)
 
     async def _lookup(self, request_id: str) -> m.ProcessingResponse:
         live = self._registry.get(request_id)

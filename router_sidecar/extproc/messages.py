@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
+from google.protobuf.struct_pb2 import Struct
 
 ProcessingRequest = ep.ProcessingRequest
 ProcessingResponse = ep.ProcessingResponse
@@ -53,8 +54,13 @@ def request_headers_reply(mutation: ep.HeaderMutation | None = None) -> Processi
     return ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(mutation)))
 
 
-def request_body_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
-    return ProcessingResponse(request_body=ep.BodyResponse(response=_common(mutation)))
+def request_body_reply(
+    mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
+) -> ProcessingResponse:
+    reply = ProcessingResponse(request_body=ep.BodyResponse(response=_common(mutation)))
+    if dynamic_metadata is not None:
+        reply.dynamic_metadata.CopyFrom(dynamic_metadata)
+    return reply
 
 
 def response_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:

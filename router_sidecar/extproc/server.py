@@ -8,8 +8,10 @@ import socket
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from router_sidecar.discovery import EndpointDiscovery
 from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.downstream import DownstreamStream
 from router_sidecar.extproc.registry import Registry
@@ -39,8 +41,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         ledger: ToolLedger,
         leases: AttemptLeases,
         liveness: LivenessMonitor,
+        discovery: bool,
         gateway_id: str,
     ) -> None:
+        self._discovery = discovery
         self._policy = policy
         self._registry = registry
         self._journal = journal
@@ -58,6 +62,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 journal=self._journal,
                 ledger=self._ledger,
                 leases=self._leases,
+                liveness=self._liveness,
+                discovery=self._discovery,
                 gateway_id=self._gateway_id,
             ).run(context)
         elif placement == "upstream":
@@ -87,7 +93,9 @@ def check_bind_address(address: str) -> None:
 
 
 class SidecarServer:
-    def __init__(self, *, bind: str, policy: Policy, store: Store, gateway_id: str) -> None:
+    def __init__(
+        self, *, bind: str, policy: Policy, store: Store, gateway_id: str, discovery: bool = False
+    ) -> None:
         check_bind_address(bind)
         self.bind = bind
         self.registry = Registry()
@@ -106,11 +114,15 @@ class SidecarServer:
                 ledger=ToolLedger(store, policy.tools),
                 leases=self.leases,
                 liveness=self.liveness,
+                discovery=discovery,
                 gateway_id=gateway_id,
             ),
             self._server,
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
+            EndpointDiscovery(self.liveness), self._server
+        )
 
     async def start(self) -> None:
         if self.bind.startswith("unix:"):

@@ -22,6 +22,7 @@ import time
 import grpc
 
 from router_sidecar.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
+from router_sidecar.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live, Registry
 from router_sidecar.fencing import AttemptLeases, FenceProof
@@ -173,7 +174,9 @@ class UpstreamStream:
             if isinstance(decision, Release | PassThrough):
                 await self._release(context, live, record, decision, held_bodies)
                 return
-            outcome = request.on_attempt_failed(record, decision)
+            outcome = request.on_attempt_failed(
+                record, decision, no_compatible_replica=self._no_compatible_replica(request, record)
+            )
             self._journal.update(request)
             await self._write_outcome(context, request, outcome)
             self._release_in_background(record)
@@ -223,12 +226,30 @@ class UpstreamStream:
         started = time.monotonic()
         proof = await self._leases.fence(record.lease) if record.lease is not None else None
         request.on_attempt_fenced(record, proof.value if proof else None, time.monotonic() - started)
-        outcome = request.on_attempt_failed(record, failure, fence_proven=proof is not None)
+        outcome = request.on_attempt_failed(
+            record,
+            failure,
+            fence_proven=proof is not None,
+            no_compatible_replica=self._no_compatible_replica(request, record),
+        )
         self._journal.update(request)
         if attempt.status is None:
             self._deferred = outcome  # no response headers to answer yet: answer them when they come
             return
         await self._write_outcome(context, request, outcome)
+
+    def _no_compatible_replica(self, request: LogicalRequest, record: AttemptRecord) -> str | None:
+        """Why a retry could not land on a replica of the pinned compatibility group (None: it can)."""
+        digest = request.fingerprint_digest
+        if digest is None:
+            return None
+        replicas = self._liveness.replicas
+        if compatible_alternatives(replicas, digest, exclude=record.replica) > 0:
+            return None
+        pinned = next((r for r in replicas.values() if r.digest == digest), None)
+        if pinned is None:
+            return f"no healthy replica with the pinned fingerprint {digest} is left"
+        return why_no_compatible_replica(replicas, pinned, exclude=record.replica)
 
     async def _write_outcome(
         self, context: grpc.aio.ServicerContext, request: LogicalRequest, outcome: TriggerRetry | FailRequest

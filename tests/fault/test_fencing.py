@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,41 +18,22 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.supervise import Child, wait_until
-from tests.harness import ClientResult, Gateway, Sim, chat, no_overlapping_content, poll, post, split_events
+from tests.harness import (
+    Agent,
+    ClientResult,
+    Gateway,
+    Sim,
+    chat,
+    no_overlapping_content,
+    poll,
+    post,
+    split_events,
+)
 
 pytestmark = pytest.mark.fault
 
 LEASE_TTL = 2
 POLICY = f"leases:\n  attempt_ttl_seconds: {LEASE_TTL}\n"
-
-
-class Agent:
-    def __init__(self, sim: Sim, etcd: str, work: Path) -> None:
-        self.out = work / f"agent-{sim.name}.out"
-        argv = [
-            sys.executable,
-            "-m",
-            "router_sidecar",
-            "replica",
-            "--engine",
-            sim.endpoint,
-            "--advertise",
-            sim.endpoint,
-            "--etcd",
-            etcd,
-            "--ttl",
-            "2",
-            "--interval",
-            "0.3",
-        ]
-        self.child = Child(f"agent-{sim.name}", argv, log_path=self.out)
-        wait_until(
-            lambda: "ready" in self.out.read_text(), timeout=15, what="agent registered", child=self.child
-        )
-
-    def stop(self) -> None:
-        self.child.stop()
 
 
 @pytest.fixture(scope="module")
