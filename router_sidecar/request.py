@@ -376,6 +376,10 @@ class LogicalRequest:
         """The client-facing stream was torn down (client gone, or an upstream reset after headers)."""
         if self.is_terminal:
             return
+        if self._response.done_seen:
+            # The client already has the whole generation ([DONE] went out); it just closed first.
+            self._finish(Phase.COMPLETED, Outcome.COMPLETED)
+            return
         if cause is DownstreamLoss.CLIENT_GONE or self.phase is Phase.PREFILL:
             self._emit(EventName.CLIENT_DISCONNECTED, delivered_output_tokens=self.delivered_output_tokens)
             self._finish(Phase.CANCELLED, Outcome.CLIENT_DISCONNECTED)

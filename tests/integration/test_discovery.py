@@ -97,8 +97,10 @@ def test_retries_stay_in_the_pinned_group(cluster: tuple[Gateway, dict[str, Sim]
             headers={"x-sim-fault": "status503@headers attempt=1"},
         )
         assert result.status == 200
-        request_id = result.request_id
-        attempts = poll(lambda: (a := replicas_of(sims, request_id)) and len(a) == 2 and a, what="2 attempts")
+        attempts = poll(
+            lambda rid=result.request_id: (a := replicas_of(sims, rid)) and len(a) == 2 and a,
+            what="2 attempts",
+        )
         assert set(attempts) == {"a", "b"}, attempts
 
 

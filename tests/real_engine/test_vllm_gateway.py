@@ -146,6 +146,16 @@ def shape(payload: Any) -> Any:
     return type(payload).__name__
 
 
+def event_kinds(payloads: list[Any]) -> list[tuple[str, ...] | str]:
+    """The distinct key lists of a stream's events, in order of first appearance, then [DONE]."""
+    kinds: list[tuple[str, ...] | str] = []
+    for p in payloads:
+        kind = tuple(p) if isinstance(p, dict) else p
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
 def test_chat_stream_with_usage_passes_through_unchanged(
     gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
 ) -> None:
@@ -170,9 +180,9 @@ def test_chat_stream_with_usage_passes_through_unchanged(
     }
     reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/chat/completions", body)
     got = result.payloads()
-    assert [list(p) if isinstance(p, dict) else p for p in got] == [
-        list(p) if isinstance(p, dict) else p for p in reference
-    ]
+    # vLLM may pack several tokens into one event when its API server lags the engine, so the number of
+    # events differs between two runs; the structure of each kind of event may not.
+    assert event_kinds(got) == event_kinds(reference)
     assert shape(got[0]) == shape(reference[0]) and shape(got[-2]) == shape(reference[-2])
     journal = terminal_journal(gateway, result.request_id)
     assert journal["phase"] == "completed" and len(journal["attempts"]) == 1
@@ -350,10 +360,17 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
 
     def kill_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
         if not killed and chunk_has_content(chunk):
+            # Freeze every replica at once (no further token can be generated while we find out which
+            # one serves us), then kill the server's group and let the idle one go on.
+            for replica in replicas.values():
+                replica.signal_group(signal.SIGSTOP)
             served = replica_of(gateway, so_far.request_id, replicas)
             assert served is not None
             served.kill_group()
             killed.append(served)
+            for replica in replicas.values():
+                if replica is not served:
+                    replica.signal_group(signal.SIGCONT)
         return False
 
     result = stream_chat(
