@@ -145,9 +145,16 @@ def find_etcd() -> str:
 
 
 def start_etcd(
-    data_dir: Path, *, host: str = "127.0.0.1", client_port: int | None = None, log_path: Path | None = None
+    data_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    client_port: int | None = None,
+    log_path: Path | None = None,
+    also_listen_on: tuple[str, ...] = (),
 ) -> tuple[Child, str]:
-    """A throw-away single-member etcd on loopback (tests, demo). Returns the child and HOST:PORT."""
+    """A throw-away single-member etcd on loopback (tests, demo). Returns the child and HOST:PORT.
+
+    `also_listen_on`: further local addresses for clients (e.g. a test's own network namespace link)."""
     client_port = client_port or free_port(host)
     peer_port = free_port(host)
     argv = [
@@ -157,7 +164,7 @@ def start_etcd(
         "--data-dir",
         str(data_dir),
         "--listen-client-urls",
-        f"http://{host}:{client_port}",
+        ",".join(f"http://{h}:{client_port}" for h in (host, *also_listen_on)),
         "--advertise-client-urls",
         f"http://{host}:{client_port}",
         "--listen-peer-urls",

@@ -55,5 +55,13 @@ if ! command -v etcd >/dev/null 2>&1; then
     exit 1
   fi
 fi
+# The partition tests cut a replica off in a network namespace with nftables (root only; they skip
+# with a reason elsewhere).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v nft >/dev/null 2>&1; then
+  echo "setup: installing nftables (partition tests)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables iproute2 >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables iproute2 >/dev/null; } \
+    || echo "setup: nftables not installed; partition tests will skip"
+fi
 echo "$want" > "$stamp"
 echo "setup: done (envoy $("$TOOLS/envoy/bin/envoy" --version | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -1), etcd $(etcd --version | head -1 | awk '{print $3}'))"

@@ -153,6 +153,7 @@ class Gateway:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.etcd = etcd
         self.work = work
         self.out_path = work / "gateway.out"
         argv = [
