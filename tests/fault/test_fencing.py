@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
     frozen = serving_sim(sims, key)
     assert frozen.child is not None
     frozen.child.signal(signal.SIGSTOP)
+    frozen_at = time.time()
     try:
         client.join(30)
         answer = result["r"]
@@ -119,6 +121,11 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
         < order.index(("attempt_started", 2))
     )
     assert_leases_never_overlap(journal)
+    at = {f"{e['event']}{e.get('attempt')}": e["t"] for e in journal["events"]}
+    print(
+        f"frozen → replica lost {at['replica_lost1'] - frozen_at:.2f}s, → fenced "
+        f"{at['attempt_fenced1'] - frozen_at:.2f}s, → retry {at['attempt_started2'] - frozen_at:.2f}s"
+    )
     # The resumed replica carried on into a connection that was gone: nothing of it reached the client.
     resumed = poll(lambda: frozen.requests_for(key), timeout=15, what="the resumed replica's record")
     assert resumed[0]["outcome"] in ("client_gone", "fault:delay") or resumed[0]["client_gone_at"]
