@@ -93,9 +93,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
     def __init__(self, liveness: LivenessMonitor) -> None:
         self._liveness = liveness
 
-    async def StreamEndpoints(
-        self, request_iterator: object, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def StreamEndpoints(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF:
             return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 import signal
@@ -11,7 +10,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from router_sidecar.envoy_config import Endpoint, GatewaySpec, find_envoy, rende
 from router_sidecar.extproc.server import SidecarServer
 from router_sidecar.policy import Policy
 from router_sidecar.store import EtcdStore, StoreUnavailable
-from router_sidecar.supervise import Child, http_ok
+from router_sidecar.supervise import Child, http_ok, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -132,22 +130,6 @@ async def _wait_envoy_ready(child: Child, admin_path: Path, timeout: float = 30.
             return
         await asyncio.sleep(0.05)
     raise GatewayError(f"envoy was not ready within {timeout}s:\n{child.tail()}")
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[asyncio.Event]:
-    """SIGINT/SIGTERM set the returned event. Installed first thing, so a signal during start-up is not
-    lost (nor fatal): the process finishes starting and then stops cleanly."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield stop
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
 
 
 async def _wait_for_stop(child: Child, stop: asyncio.Event) -> None:

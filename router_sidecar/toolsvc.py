@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from typing import Any
 from router_sidecar.sim.log import Record, RequestLog, read_log
 from router_sidecar.sim.process import SimProcess, _read_ready_line
 from router_sidecar.sim.server import BadRequest, Connection, Request, parse_listen
+from router_sidecar.supervise import stop_on_signals
 
 FAULT_HEADER = "x-tool-fault"
 RETRIABLE_HEADER = "x-tool-retriable"
@@ -275,16 +275,13 @@ async def serve(host: str, port: int, name: str | None, log_path: str) -> int:
     svc = ToolService(name or address, log_path)
     server = await asyncio.start_server(svc.handle_connection, sock=sock)
     print(f"toolsvc {svc.name} listening on {address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        server.close()
-        svc.close_connections()
-        svc.log.close()
+    with stop_on_signals() as stop:
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            svc.close_connections()
+            svc.log.close()
     return 0
 
 

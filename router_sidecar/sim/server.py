@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import signal
 import socket
 import struct
 import sys
@@ -48,6 +47,7 @@ from router_sidecar.sim.faults import (
     token_point,
 )
 from router_sidecar.sim.log import RequestLog
+from router_sidecar.supervise import stop_on_signals
 
 MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024
@@ -727,15 +727,12 @@ async def serve(config: SimConfig) -> int:
     sim = Simulator(config)
     server = await asyncio.start_server(sim.handle_connection, sock=sock)
     print(f"sim {config.name} listening on {address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        server.close()
-        sim.close_connections()
+    with stop_on_signals() as stop:
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            sim.close_connections()
     return 0
 
 
