@@ -42,8 +42,9 @@ class AttemptLease:
     granted_at: float  # wall clock, for the journal
     refreshed_at: float  # monotonic time of the last successful grant/refresh
     ttl_seconds: int
-    revoked_at: float | None = None  # wall clock
-    fenced: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped_at: float | None = None  # wall clock: we stopped honouring it (nothing of it is released since)
+    revoked_at: float | None = None  # wall clock: etcd confirmed the revocation (or it expired)
+    fenced: asyncio.Event = field(default_factory=asyncio.Event)  # proven: the attempt can no longer publish
 
     @property
     def expiry_bound(self) -> float:
@@ -52,7 +53,7 @@ class AttemptLease:
 
     def publishable(self, now: float | None = None) -> bool:
         """The local check before releasing bytes: not revoked, and not past its last known validity."""
-        if self.revoked_at is not None:
+        if self.stopped_at is not None:
             return False
         if self.lease is None:
             return True  # degraded mode (no etcd at start): nothing to check against
@@ -63,6 +64,7 @@ class AttemptLease:
             "lease_id": f"{self.lease.id:x}" if self.lease else None,
             "ttl_seconds": self.ttl_seconds,
             "granted_at": round(self.granted_at, 6),
+            "stopped_at": round(self.stopped_at, 6) if self.stopped_at else None,
             "revoked_at": round(self.revoked_at, 6) if self.revoked_at else None,
         }
 
@@ -96,31 +98,40 @@ class AttemptLeases:
         self._active[attempt_id] = held
         return held
 
-    async def release(self, held: AttemptLease, proof: FenceProof | None = None) -> None:
-        """The attempt is over (finished, or its connection is gone): revoke its lease, best effort."""
+    def stop_honouring(self, held: AttemptLease) -> None:
+        """Stop honouring the lease at once (no etcd call): nothing of this attempt is released from now."""
         self._active.pop(held.attempt_id, None)
-        if held.revoked_at is None:
+        if held.stopped_at is None:
+            held.stopped_at = time.time()
+
+    async def revoke(self, held: AttemptLease) -> None:
+        """Revoke in etcd (idempotent). If etcd cannot be reached the lease is no longer refreshed and
+        expires on etcd's clock instead; `revoked_at` then stays unset until proven by `fence`."""
+        self.stop_honouring(held)
+        if held.revoked_at is not None:
+            return
+        if held.lease is None:
             held.revoked_at = time.time()
-            if held.lease is not None:
-                with contextlib.suppress(StoreUnavailable):
-                    await self._store.revoke_lease(held.lease)
+            return
+        try:
+            await self._store.revoke_lease(held.lease)
+        except StoreUnavailable as exc:
+            log.warning("attempt lease %s not revoked (%s): it will expire", held.attempt_id, exc)
+            return
+        held.revoked_at = held.revoked_at or time.time()
+
+    async def release(self, held: AttemptLease, proof: FenceProof | None = None) -> None:
+        """The attempt is over (finished, or its connection is gone): revoke; `proof` marks it fenced."""
+        await self.revoke(held)
         if proof is not None:
             held.fenced.set()
 
     async def fence(self, held: AttemptLease) -> FenceProof | None:
         """Revoke, then wait for the cancel ack or the expiry bound. None: cannot be proven (no lease)."""
-        self._active.pop(held.attempt_id, None)
         if held.lease is None:
+            self.stop_honouring(held)
             return None
-        if held.revoked_at is None:
-            held.revoked_at = time.time()
-            try:
-                await self._store.revoke_lease(held.lease)
-            except StoreUnavailable as exc:
-                # Not revoked, but not refreshed any more either: it expires on its own.
-                log.warning(
-                    "fence %s: revoke failed (%s); waiting for the lease to expire", held.attempt_id, exc
-                )
+        await self.revoke(held)
         while time.monotonic() < held.expiry_bound:
             try:
                 if await self._store.get(keys.cancel_ack(held.attempt_id)) is not None:
@@ -129,6 +140,7 @@ class AttemptLeases:
             except StoreUnavailable:
                 pass
             await asyncio.sleep(min(0.05, max(0.0, held.expiry_bound - time.monotonic())))
+        held.revoked_at = held.revoked_at or time.time()  # expired, if the revoke never got through
         held.fenced.set()
         return FenceProof.LEASE_EXPIRY
 
@@ -137,7 +149,7 @@ class AttemptLeases:
         while True:
             await asyncio.sleep(interval)
             for held in list(self._active.values()):
-                if held.lease is None or held.revoked_at is not None:
+                if held.lease is None or held.stopped_at is not None:
                     continue
                 try:
                     remaining = await self._store.refresh_lease(held.lease)
@@ -147,4 +159,4 @@ class AttemptLeases:
                 if remaining > 0:
                     held.refreshed_at = time.monotonic()
                 else:  # revoked or expired server-side: the attempt lost its right to publish
-                    held.revoked_at = held.revoked_at or time.time()
+                    held.stopped_at = held.stopped_at or time.time()

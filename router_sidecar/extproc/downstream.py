@@ -378,5 +378,5 @@ class DownstreamStream:
             self._registry.remove(live)
             self._journal.release(request)
             for attempt in request.attempts:  # whatever still holds a lease has finished publishing
-                if attempt.lease is not None and attempt.lease.revoked_at is None:
+                if attempt.lease is not None and attempt.lease.revoked_at is None and attempt.lease.lease:
                     await self._leases.release(attempt.lease)

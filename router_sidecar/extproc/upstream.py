@@ -130,7 +130,7 @@ class UpstreamStream:
     def _fencing_in_progress(record: AttemptRecord) -> bool:
         return (
             record.lease is not None
-            and record.lease.revoked_at is not None
+            and record.lease.stopped_at is not None
             and not record.lease.fenced.is_set()
         )
 
@@ -277,9 +277,12 @@ class UpstreamStream:
 
     def _release_in_background(self, record: AttemptRecord) -> None:
         if record.lease is not None and not record.lease.fenced.is_set() and not self._fencing:
-            lease = record.lease
-            lease.fenced.set()  # the closed connection is the proof; the revoke just tidies etcd
-            asyncio.get_running_loop().create_task(self._leases.release(lease, FenceProof.CONNECTION_CLOSED))
+            # The closed connection is the proof; a retry still waits (in `_previous_attempt_fenced`) until
+            # etcd confirmed the revocation, so two valid leases never coexist.
+            self._leases.stop_honouring(record.lease)
+            asyncio.get_running_loop().create_task(
+                self._leases.release(record.lease, FenceProof.CONNECTION_CLOSED)
+            )
 
     async def _write_ahead(self, request: LogicalRequest) -> None:
         # first_delta_sent must be durable before the first byte of content can reach the client.

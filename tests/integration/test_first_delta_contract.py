@@ -106,6 +106,9 @@ def test_failure_before_first_delta_is_retried_invisibly(
     assert journal["phase"] == "completed" and journal["attempt"] == 2
     first, second = journal["attempts"]
     assert (first["outcome"], first["detail"]) == ("failed", attempt_detail)
+    # Invariant 4: the failed attempt's lease was revoked in etcd before the retry's lease was granted.
+    assert first["lease"]["revoked_at"] is not None
+    assert first["lease"]["revoked_at"] <= second["lease"]["granted_at"]
     assert second["outcome"] == "released" and second["replica"] != first["replica"]
     names = [e["event"] for e in journal["events"]]
     assert names.index("attempt_failed") < names.index("first_delta_sent")
