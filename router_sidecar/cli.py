@@ -74,6 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rp.add_argument("--fingerprint", help="fingerprint YAML/JSON (see fingerprint.example.yaml)")
     rp.add_argument("--ttl", type=int, default=10, help="registration lease TTL, seconds (default 10)")
     rp.add_argument("--interval", type=float, default=2.0, help="probe/keep-alive interval, s (default 2)")
+    rp.add_argument(
+        "--front",
+        help="replica mode: front the engine with Envoy on HOST:PORT and enforce the attempt fence there "
+        "(point --advertise at it)",
+    )
+    rp.add_argument(
+        "--fence-margin",
+        type=float,
+        default=0.5,
+        help="replica mode: stop this many seconds before an attempt lease could expire (default 0.5)",
+    )
 
     sub.add_parser(
         "sim", help="run a simulated vLLM replica (see `router-sidecar sim --help`)", add_help=False

@@ -153,6 +153,8 @@ class AgentOptions:
     fingerprint_file: str | None = None
     ttl: int = 10
     interval: float = 2.0
+    front: str | None = None  # replica mode: own Envoy on this HOST:PORT with the replica-side fence
+    fence_margin: float = 0.5
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentOptions:
@@ -163,6 +165,8 @@ class AgentOptions:
             fingerprint_file=args.fingerprint,
             ttl=args.ttl,
             interval=args.interval,
+            front=getattr(args, "front", None),
+            fence_margin=getattr(args, "fence_margin", 0.5),
         )
 
     def validate(self) -> None:
@@ -175,6 +179,15 @@ class AgentOptions:
                 split_hostport(value)
             except ValueError as exc:
                 raise ConfigError(f"{flag}: {exc}") from None
+        if self.front is not None:
+            try:
+                split_hostport(self.front)
+            except ValueError as exc:
+                raise ConfigError(f"--front: {exc}") from None
+            if self.front == self.engine:
+                raise ConfigError("--front must differ from --engine")
+            if not 0 <= self.fence_margin < 60:
+                raise ConfigError(f"--fence-margin must be ≥ 0 and < 60 s, got {self.fence_margin:g}")
         if self.ttl < 1:
             raise ConfigError(f"--ttl must be ≥ 1 second, got {self.ttl}")
         if not 0 < self.interval < self.ttl:
@@ -195,10 +208,16 @@ class ReplicaAgent:
         )
         self._healthy: bool | None = None
         self._ready_printed = False
+        self.front: Any = None  # replica mode: the `ReplicaFront`; its Envoy dead → withdrawn like the engine
+
+    async def _check(self) -> tuple[Fingerprint, EngineInfo]:
+        if self.front is not None and not self.front.alive():
+            raise EngineDown(f"front envoy on {self.options.front} is not running")
+        return await self.probe.check(self.declared.model_id)
 
     async def tick(self) -> None:
         try:
-            probed, info = await self.probe.check(self.declared.model_id)
+            probed, info = await self._check()
         except EngineDown as exc:
             if self._healthy is not False:
                 log.warning("engine %s unhealthy (%s); withdrawing", self.options.engine, exc)
@@ -303,11 +322,35 @@ async def main_async(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         agent = ReplicaAgent(options, declared, store)
+        front = None
+        if options.front is not None:
+            import tempfile
+            from pathlib import Path
+
+            from router_sidecar.extproc.replica_side import ReplicaFront
+
+            front = ReplicaFront(
+                store,
+                front=options.front,
+                engine=options.engine,
+                work_dir=Path(tempfile.mkdtemp(prefix="router-sidecar-replica-")),
+                margin=options.fence_margin,
+            )
+            try:
+                await front.start()
+            except Exception as exc:
+                await front.stop()
+                print(f"error: replica front on {options.front}: {exc}", file=sys.stderr)
+                return 2
+            agent.front = front
         try:
             await agent.run(stop)
         except FingerprintError as exc:
             print(f"error: engine {options.engine}: {exc}", file=sys.stderr)
             return 2
+        finally:
+            if front is not None:
+                await front.stop()
         return 0
     finally:
         await store.close()

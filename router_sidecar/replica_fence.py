@@ -1,4 +1,4 @@
-"""Replica-side fence: an attempt may publish only while its etcd lease is valid, judged on the replica's clock.
+"""Replica-side fence: an attempt may publish only while its etcd lease is valid, on the replica's clock.
 
 The gateway sends every attempt to the replica with ``x-attempt-id`` and ``x-attempt-lease`` (the lease id,
 hex). In replica mode (``router-sidecar replica --front HOST:PORT``) the agent fronts its engine with its
@@ -147,7 +147,9 @@ class CancelAcks:
                 return True
             except StoreUnavailable as exc:
                 if time.monotonic() + delay >= deadline:
-                    log.error("cancel ack %s not written within %gs: %s", attempt_id, self._retry_seconds, exc)
+                    log.error(
+                        "cancel ack %s not written within %gs: %s", attempt_id, self._retry_seconds, exc
+                    )
                     return False
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
@@ -319,4 +321,3 @@ class FrontEnvoy:
     async def stop(self) -> None:
         if self.child is not None:
             await asyncio.to_thread(self.child.stop)
-

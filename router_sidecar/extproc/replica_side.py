@@ -1,0 +1,212 @@
+"""The replica-side ext_proc servicer (replica mode of the agent): forward a chunk only under a valid lease.
+
+Runs in the agent process, behind the replica's own Envoy (`envoy/replica.yaml`): DOWNSTREAM placement,
+response body FULL_DUPLEX_STREAMED, so every chunk the engine writes goes on only when we send it back.
+
+* No ``x-attempt-id`` / ``x-attempt-lease`` (health probes, ``/v1/models``, a gateway in degraded mode):
+  pass through — every chunk is sent back unchanged.
+* With them: the lease's remaining TTL is checked in etcd before the request goes to the engine (refused
+  with 503 if it is already gone or etcd cannot tell), then every TTL/3 in the background
+  (`replica_fence.AttemptGuard`). Each chunk is checked against the local state only. Once the lease is
+  revoked or past its local deadline — found by a chunk or by the guard's timer while no chunk arrives (a
+  frozen engine) — nothing more is forwarded: an unsolicited end_of_stream ends the gateway's side and
+  makes Envoy reset the engine request (DESIGN.md §5.6), and the cancel ack is written to etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from router_sidecar.envoy_config import Endpoint
+from router_sidecar.extproc import messages as m
+from router_sidecar.replica_fence import (
+    DEFAULT_SAFETY_MARGIN,
+    AttemptGuard,
+    CancelAcks,
+    FrontEnvoy,
+    FrontSpec,
+    parse_lease_header,
+)
+from router_sidecar.store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+ATTEMPT_HEADER = "x-attempt-id"
+LEASE_HEADER = "x-attempt-lease"
+# The first check runs while Envoy holds the request headers (its message_timeout is 5 s).
+FIRST_CHECK_TIMEOUT = 2.0
+
+
+def _refusal(code: str, message: str) -> m.ProcessingResponse:
+    body = json.dumps({"error": {"code": code, "message": message, "type": "replica_fence"}}).encode()
+    return m.immediate(503, body)
+
+
+class ReplicaFenceServicer(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, store: EtcdStore, *, margin: float = DEFAULT_SAFETY_MARGIN) -> None:
+        self.store = store
+        self.margin = margin
+        self.acks = CancelAcks(store)
+        self.fenced: list[tuple[str, str, float]] = []  # (attempt_id, reason, monotonic time): for tests/logs
+
+    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        await FenceStream(self, context).run()
+
+
+class FenceStream:
+    def __init__(self, owner: ReplicaFenceServicer, context: grpc.aio.ServicerContext) -> None:
+        self._owner = owner
+        self._context = context
+        self._lock = asyncio.Lock()
+        self._guard: AttemptGuard | None = None
+        self._headers_seen = False  # response headers answered: an end now is a streamed end_of_stream
+        self._ended = False  # we ended the stream (or the engine's response ended): write nothing more
+
+    async def run(self) -> None:
+        context = self._context
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("request") != "request_headers":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "expected request_headers first")
+            return
+        headers = m.header_map(first.request_headers)
+        attempt_id = headers.get(ATTEMPT_HEADER, "").strip()
+        lease_id = parse_lease_header(headers.get(LEASE_HEADER))
+        if attempt_id and lease_id is not None:
+            guard = AttemptGuard(self._owner.store, attempt_id, lease_id, margin=self._owner.margin)
+            if not await self._admit(guard):
+                return
+            self._guard = guard
+        elif attempt_id and headers.get(LEASE_HEADER):
+            log.warning("attempt %s: unreadable %s %r", attempt_id, LEASE_HEADER, headers.get(LEASE_HEADER))
+        await context.write(m.request_headers_reply())
+        watcher = asyncio.get_running_loop().create_task(self._watch(self._guard)) if self._guard else None
+        try:
+            await self._forward()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            if self._guard is not None:
+                self._guard.close()
+
+    async def _admit(self, guard: AttemptGuard) -> bool:
+        """The lease must be known valid before the engine sees the request."""
+        answered = await guard.check(timeout=FIRST_CHECK_TIMEOUT)
+        if answered and guard.valid():
+            return True
+        if not answered:
+            reply = _refusal("attempt_lease_unverifiable", "etcd did not answer the attempt's lease check")
+            log.warning("attempt %s refused: lease %x cannot be checked", guard.attempt_id, guard.lease_id)
+        else:
+            reply = _refusal("attempt_fenced", f"the attempt's lease is no longer valid ({guard.reason})")
+            log.info("attempt %s refused: %s", guard.attempt_id, guard.reason)
+            self._acknowledge(guard)
+        self._ended = True
+        await self._context.write(reply)
+        return False
+
+    async def _forward(self) -> None:
+        context = self._context
+        while True:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                return
+            which = message.WhichOneof("request")
+            async with self._lock:
+                if self._ended:
+                    continue  # we ended it: whatever the engine still sends is dropped
+                if which == "response_headers":
+                    self._headers_seen = True
+                    await context.write(m.response_headers_reply())
+                elif which == "response_body":
+                    body = message.response_body
+                    if self._guard is not None and not self._guard.valid():
+                        await self._end(self._guard)
+                        continue
+                    await context.write(m.streamed_body(body.body, body.end_of_stream))
+                    if body.end_of_stream:
+                        self._ended = True
+                elif which == "response_trailers":
+                    await context.write(m.RESPONSE_TRAILERS_CONTINUE)
+                    self._ended = True
+                elif which == "request_headers":  # never twice; answer rather than stall Envoy
+                    await context.write(m.request_headers_reply())
+
+    async def _watch(self, guard: AttemptGuard) -> None:
+        await guard.watch()
+        async with self._lock:
+            if not self._ended:
+                await self._end(guard)
+
+    async def _end(self, guard: AttemptGuard) -> None:
+        """Stop publishing (lock held): end the gateway's side; Envoy resets the engine request."""
+        self._ended = True
+        reason = guard.reason or "local_deadline"
+        log.warning("attempt %s fenced on the replica (%s): ending its stream", guard.attempt_id, reason)
+        if self._headers_seen:
+            await self._context.write(m.streamed_body(b"", True))
+        else:
+            # Nothing went out yet: a 503 answer is just as final for the gateway, and resets the engine too.
+            await self._context.write(_refusal("attempt_fenced", f"the attempt was fenced ({reason})"))
+        self._acknowledge(guard)
+
+    def _acknowledge(self, guard: AttemptGuard) -> None:
+        reason = guard.reason or "local_deadline"
+        self._owner.fenced.append((guard.attempt_id, reason, time.monotonic()))
+        self._owner.acks.write(guard.attempt_id, reason)
+
+
+class ReplicaFront:
+    """Replica mode: the fence servicer (unix socket, this process) and the front Envoy that uses it."""
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        *,
+        front: str,
+        engine: str,
+        work_dir: Path,
+        margin: float = DEFAULT_SAFETY_MARGIN,
+    ) -> None:
+        self.work_dir = work_dir
+        self.socket_path = work_dir / "fence.sock"
+        self.servicer = ReplicaFenceServicer(store, margin=margin)
+        self._server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
+        self.envoy = FrontEnvoy(
+            FrontSpec(
+                front=Endpoint.parse(front), engine=Endpoint.parse(engine), fence_socket=self.socket_path
+            ),
+            work_dir,
+        )
+
+    async def start(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
+        self._server.add_insecure_port(f"unix:{self.socket_path}")
+        await self._server.start()
+        await self.envoy.start()
+        log.info(
+            "replica front on %s → engine %s (fence servicer on %s)",
+            self.envoy.spec.front,
+            self.envoy.spec.engine,
+            self.socket_path,
+        )
+
+    def alive(self) -> bool:
+        return self.envoy.alive()
+
+    async def stop(self) -> None:
+        await self.envoy.stop()
+        await self.servicer.acks.drain(timeout=5.0)
+        await self._server.stop(1.0)
