@@ -23,6 +23,7 @@ __all__ = [
     "JournalPolicy",
     "Leases",
     "Limits",
+    "LivenessPolicy",
     "OnUpstreamFailure",
     "Policy",
     "PolicyError",
@@ -108,6 +109,12 @@ class JournalPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class LivenessPolicy:
+    # The replica side reported bytes that have not arrived here for this long: the path is lost.
+    progress_gap_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class ToolsPolicy:
     retention_seconds: float  # how long a tool result stays replayable under its idempotency key
     max_stored_response_bytes: int  # larger results are not kept: later calls get an error, not a re-run
@@ -132,6 +139,7 @@ class Policy:
     limits: Limits
     journal: JournalPolicy
     tools: ToolsPolicy
+    liveness: LivenessPolicy
 
     # Shortcuts: policy.before_first_delta is policy.on_upstream_failure.before_first_delta.
     @property
@@ -171,6 +179,7 @@ DEFAULT_POLICY = Policy(
         call_timeout_seconds=30,
         in_progress_wait_seconds=0,
     ),
+    liveness=LivenessPolicy(progress_gap_seconds=3),
 )
 
 
@@ -265,6 +274,7 @@ def policy_from_mapping(m: Any) -> Policy:
             "limits",
             "journal",
             "tools",
+            "liveness",
         ),
     )
     ouf = _mapping(
@@ -424,6 +434,12 @@ def policy_from_mapping(m: Any) -> Policy:
         ),
     )
 
+    p = "liveness"
+    lv = _mapping(top.get(p), p, ("progress_gap_seconds",))
+    liveness = LivenessPolicy(
+        _number(lv, "progress_gap_seconds", p, d.liveness.progress_gap_seconds, lo=0, open_lo=True)
+    )
+
     return Policy(
         on_upstream_failure=OnUpstreamFailure(
             before_first_delta=BeforeFirstDelta(require, cast(BeforeAction, action), max_attempts),
@@ -445,6 +461,7 @@ def policy_from_mapping(m: Any) -> Policy:
         limits=limits,
         journal=journal,
         tools=tools,
+        liveness=liveness,
     )
 
 
@@ -500,6 +517,7 @@ def policy_to_mapping(policy: Policy) -> dict[str, Any]:
             "call_timeout_seconds": policy.tools.call_timeout_seconds,
             "in_progress_wait_seconds": policy.tools.in_progress_wait_seconds,
         },
+        "liveness": {"progress_gap_seconds": policy.liveness.progress_gap_seconds},
     }
 
 

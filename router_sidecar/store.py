@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -36,6 +36,13 @@ class keys:
     @staticmethod
     def cancel_ack(attempt_id: str) -> str:
         return f"{PREFIX}/attempts/{attempt_id}/cancel_ack"
+
+    @staticmethod
+    def progress(attempt_id: str) -> str:
+        """What the replica side forwarded for an attempt (written at a modest rate under its lease)."""
+        return f"{PREFIX}/attempts/{attempt_id}/progress"
+
+    ATTEMPTS_PREFIX = f"{PREFIX}/attempts/"
 
 
 class StoreUnavailable(Exception):
@@ -148,6 +155,26 @@ class EtcdStore:
     async def refresh_lease(self, lease: Lease) -> int:
         reply = await self._call(self._client.refresh_lease(lease.id))
         return int(reply.TTL) if reply is not None else 0
+
+    async def watch_prefix(
+        self, prefix: str, *, retry_interval: float = 1.0
+    ) -> AsyncIterator[tuple[str, bytes | None]]:
+        """(key, value) for every later put under `prefix`, value None for a delete; survives etcd loss."""
+        while True:
+            try:
+                watch = await self._call(self._client.watch_prefix(prefix.encode()))
+                try:
+                    async for event in watch:
+                        yield event.kv.key.decode(), (None if event.kind == "DELETE" else event.kv.value)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 1.0)
+            except StoreUnavailable:
+                pass
+            except Exception as exc:
+                if not type(exc).__module__.startswith("aetcd"):
+                    raise
+            await asyncio.sleep(retry_interval)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -30,6 +30,7 @@ from router_sidecar.journal import ClaimConflict, Journal
 from router_sidecar.liveness import LivenessMonitor
 from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
 from router_sidecar.policy import Policy
+from router_sidecar.progress import ProgressMonitor
 from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
 from router_sidecar.store import StoreUnavailable
 from router_sidecar.tools import TOOLS_PREFIX, ToolLedger
@@ -90,9 +91,11 @@ class DownstreamStream:
         ledger: ToolLedger,
         leases: AttemptLeases,
         liveness: LivenessMonitor,
+        progress: ProgressMonitor,
         discovery: bool,
         gateway_id: str,
     ) -> None:
+        self._progress = progress
         self._liveness = liveness
         self._discovery = discovery  # replicas come from the registry (EDS): pin each request to a group
         self._policy = policy
@@ -328,6 +331,8 @@ class DownstreamStream:
         if self.state is not DownstreamState.TRACKING or self._live is None:
             return m.streamed_body(chunk, end_of_stream)
         request = self._live.request
+        if self._live.publisher_progress is not None:
+            self._live.publisher_progress.received += len(chunk)
         publisher = request.publisher
         if publisher is not None and publisher.lease is not None and not publisher.lease.publishable():
             # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end.
@@ -375,6 +380,8 @@ class DownstreamStream:
             self._journal.update(request)
         finally:
             live.stop_watching()
+            if live.publisher_progress is not None:
+                self._progress.untrack(live.publisher_progress)
             self._registry.remove(live)
             self._journal.release(request)
             for attempt in request.attempts:  # whatever still holds a lease has finished publishing

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router_sidecar.liveness import LivenessMonitor
+from router_sidecar.progress import Tracked
 from router_sidecar.request import AttemptRecord, DownstreamLoss, LogicalRequest
 
 
@@ -22,17 +23,24 @@ class Live:
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.
     publisher_lost: Callable[[], Awaitable[None]] | None = None
+    publisher_progress: Tracked | None = None  # bytes of the publishing attempt that arrived here
     _unwatch: Callable[[], None] | None = None
 
-    def watch_publisher(self, liveness: LivenessMonitor, record: AttemptRecord) -> None:
+    def watch_publisher(
+        self, liveness: LivenessMonitor, record: AttemptRecord, progress: Tracked | None
+    ) -> None:
         """After the first delta, the downstream stream answers for the attempt that publishes."""
 
-        async def lost(address: str) -> None:
+        async def lost(address: str | None = None) -> None:
             if self.publisher_lost is not None:
                 await self.publisher_lost()
 
         self.stop_watching()
         self._unwatch = liveness.on_loss(record.replica, lost)
+        if progress is not None:
+            # The held bytes flow through the downstream filter again after the release: count from zero.
+            progress.received, progress.gap_since, progress.on_lost = 0, None, lost
+            self.publisher_progress = progress
 
     def stop_watching(self) -> None:
         if self._unwatch is not None:

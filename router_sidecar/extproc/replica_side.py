@@ -35,7 +35,7 @@ from router_sidecar.replica_fence import (
     FrontSpec,
     parse_lease_header,
 )
-from router_sidecar.store import EtcdStore
+from router_sidecar.store import EtcdStore, Lease, StoreUnavailable, keys
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ ATTEMPT_HEADER = "x-attempt-id"
 LEASE_HEADER = "x-attempt-lease"
 # The first check runs while Envoy holds the request headers (its message_timeout is 5 s).
 FIRST_CHECK_TIMEOUT = 2.0
+PROGRESS_INTERVAL_SECONDS = 1.0  # how often an attempt's forwarded byte count goes to etcd (if it changed)
 
 
 def _refusal(code: str, message: str) -> m.ProcessingResponse:
@@ -69,6 +70,8 @@ class FenceStream:
         self._guard: AttemptGuard | None = None
         self._headers_seen = False  # response headers answered: an end now is a streamed end_of_stream
         self._ended = False  # we ended the stream (or the engine's response ended): write nothing more
+        self._forwarded = 0  # body bytes sent towards the gateway (reported as the attempt's progress)
+        self._reported = 0
 
     async def run(self) -> None:
         context = self._context
@@ -89,14 +92,22 @@ class FenceStream:
         elif attempt_id and headers.get(LEASE_HEADER):
             log.warning("attempt %s: unreadable %s %r", attempt_id, LEASE_HEADER, headers.get(LEASE_HEADER))
         await context.write(m.request_headers_reply())
-        watcher = asyncio.get_running_loop().create_task(self._watch(self._guard)) if self._guard else None
+        loop = asyncio.get_running_loop()
+        helpers = (
+            [loop.create_task(self._watch(self._guard)), loop.create_task(self._report_progress(self._guard))]
+            if self._guard
+            else []
+        )
         try:
             await self._forward()
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            if self._guard is not None:
+                # Detached: Envoy may cancel this handler as soon as the stream is over.
+                asyncio.get_running_loop().create_task(self._close_attempt(self._guard))
+            for helper in helpers:
+                helper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    await helper
             if self._guard is not None:
                 self._guard.close()
 
@@ -135,6 +146,7 @@ class FenceStream:
                         await self._end(self._guard)
                         continue
                     await context.write(m.streamed_body(body.body, body.end_of_stream))
+                    self._forwarded += len(body.body)
                     if body.end_of_stream:
                         self._ended = True
                 elif which == "response_trailers":
@@ -143,23 +155,53 @@ class FenceStream:
                 elif which == "request_headers":  # never twice; answer rather than stall Envoy
                     await context.write(m.request_headers_reply())
 
+    async def _close_attempt(self, guard: AttemptGuard) -> None:
+        """The response is over on this side. Report the last progress (else the gateway never learns of
+        bytes it did not get: the reporter runs once a second), and, unless a fence already acknowledged
+        it, write the cancel ack: the attempt can publish nothing more, which is what a later fence asks."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._put_progress(guard), 1.0)
+        if not guard.stopped.is_set():
+            self._owner.acks.write(guard.attempt_id, "finished")
+
+    async def _report_progress(self, guard: AttemptGuard) -> None:
+        """Tell the gateway, at a modest rate, how much of this attempt left the replica: if it never
+        arrives there, the gateway learns that the path is lost although this replica is alive."""
+        while not guard.stopped.is_set():
+            await asyncio.sleep(PROGRESS_INTERVAL_SECONDS)
+            await self._put_progress(guard)
+
+    async def _put_progress(self, guard: AttemptGuard) -> None:
+        if self._forwarded == self._reported:
+            return
+        forwarded = self._forwarded
+        record = json.dumps({"bytes": forwarded, "at": round(time.time(), 3)}).encode()
+        with contextlib.suppress(StoreUnavailable):  # cut off from etcd: the local deadline stops it anyway
+            await self._owner.store.put(keys.progress(guard.attempt_id), record, Lease(guard.lease_id, 0))
+            self._reported = forwarded
+
     async def _watch(self, guard: AttemptGuard) -> None:
         await guard.watch()
+        # The guard no longer passes a chunk (`_forward` checks it first), so the attempt cannot publish from
+        # here on: acknowledge now. Ending the stream may wait on Envoy (a downstream that takes nothing
+        # more, e.g. a lost path), and the ack must not wait with it.
+        self._acknowledge(guard)
         async with self._lock:
             if not self._ended:
-                await self._end(guard)
+                await self._end(guard, acknowledged=True)
 
-    async def _end(self, guard: AttemptGuard) -> None:
+    async def _end(self, guard: AttemptGuard, *, acknowledged: bool = False) -> None:
         """Stop publishing (lock held): end the gateway's side; Envoy resets the engine request."""
         self._ended = True
         reason = guard.reason or "local_deadline"
         log.warning("attempt %s fenced on the replica (%s): ending its stream", guard.attempt_id, reason)
+        if not acknowledged:
+            self._acknowledge(guard)
         if self._headers_seen:
             await self._context.write(m.streamed_body(b"", True))
         else:
             # Nothing went out yet: a 503 answer is just as final for the gateway, and resets the engine too.
             await self._context.write(_refusal("attempt_fenced", f"the attempt was fenced ({reason})"))
-        self._acknowledge(guard)
 
     def _acknowledge(self, guard: AttemptGuard) -> None:
         reason = guard.reason or "local_deadline"

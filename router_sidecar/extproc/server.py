@@ -20,6 +20,7 @@ from router_sidecar.fencing import AttemptLeases
 from router_sidecar.journal import Journal
 from router_sidecar.liveness import LivenessMonitor
 from router_sidecar.policy import Policy
+from router_sidecar.progress import ProgressMonitor
 from router_sidecar.registry_store import ReplicaRegistry
 from router_sidecar.store import EtcdStore, Store
 from router_sidecar.tools import ToolLedger
@@ -41,9 +42,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         ledger: ToolLedger,
         leases: AttemptLeases,
         liveness: LivenessMonitor,
+        progress: ProgressMonitor,
         discovery: bool,
         gateway_id: str,
     ) -> None:
+        self._progress = progress
         self._discovery = discovery
         self._policy = policy
         self._registry = registry
@@ -63,12 +66,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 ledger=self._ledger,
                 leases=self._leases,
                 liveness=self._liveness,
+                progress=self._progress,
                 discovery=self._discovery,
                 gateway_id=self._gateway_id,
             ).run(context)
         elif placement == "upstream":
             await UpstreamStream(
-                registry=self._registry, journal=self._journal, leases=self._leases, liveness=self._liveness
+                registry=self._registry,
+                journal=self._journal,
+                leases=self._leases,
+                liveness=self._liveness,
+                progress=self._progress,
             ).run(context)
         else:
             await context.abort(
@@ -105,6 +113,7 @@ class SidecarServer:
         self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
         # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
         self.liveness = LivenessMonitor(ReplicaRegistry(store) if isinstance(store, EtcdStore) else None)
+        self.progress = ProgressMonitor(store, policy.liveness.progress_gap_seconds)
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(
@@ -114,6 +123,7 @@ class SidecarServer:
                 ledger=ToolLedger(store, policy.tools),
                 leases=self.leases,
                 liveness=self.liveness,
+                progress=self.progress,
                 discovery=discovery,
                 gateway_id=gateway_id,
             ),
@@ -139,8 +149,10 @@ class SidecarServer:
         a fork while gRPC client streams are busy can crash the child before it execs."""
         self.leases.start()
         self.liveness.start()
+        self.progress.start()
 
     async def stop(self, grace: float = 1.0) -> None:
         await self._server.stop(grace)
         await self.liveness.stop()
+        await self.progress.stop()
         await self.leases.stop()

@@ -15,6 +15,7 @@ then the cancel ack or the lease's expiry awaited — and only then retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -27,7 +28,8 @@ from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live, Registry
 from router_sidecar.fencing import AttemptLeases, FenceProof
 from router_sidecar.journal import Journal
-from router_sidecar.liveness import LivenessMonitor
+from router_sidecar.liveness import Liveness, LivenessMonitor
+from router_sidecar.progress import ProgressMonitor
 from router_sidecar.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
 from router_sidecar.store import StoreUnavailable
 
@@ -42,8 +44,16 @@ def new_attempt_id() -> str:
 
 class UpstreamStream:
     def __init__(
-        self, *, registry: Registry, journal: Journal, leases: AttemptLeases, liveness: LivenessMonitor
+        self,
+        *,
+        registry: Registry,
+        journal: Journal,
+        leases: AttemptLeases,
+        liveness: LivenessMonitor,
+        progress: ProgressMonitor,
     ) -> None:
+        self._progress = progress
+        self._handed_over = False  # the downstream now answers for this attempt's progress
         self._registry = registry
         self._journal = journal
         self._leases = leases
@@ -95,6 +105,7 @@ class UpstreamStream:
             await self._on_replica_lost(context, request, record, attempt)
 
         unsubscribe = self._liveness.on_loss(replica, replica_lost)
+        self._tracked = self._progress.track(attempt_id, lambda: replica_lost(replica))
         try:
             await self._hold_until_decided(context, live, record, attempt)
         except asyncio.CancelledError:
@@ -104,10 +115,13 @@ class UpstreamStream:
             if isinstance(decision, AttemptFailed):
                 request.on_attempt_lost(record, decision)
                 self._journal.update(request)
-                self._release_in_background(record)
+                self._settle_in_background(request, record)
             raise
         finally:
             unsubscribe()
+            if not self._handed_over:
+                # Kept a little longer: the next attempt's gate reads it (see `_liveness_uncertain`).
+                self._progress.untrack_later(self._tracked)
 
     async def _previous_attempt_fenced(self, request: LogicalRequest) -> bool:
         """Hold a retry until the attempt before it can no longer publish."""
@@ -115,16 +129,36 @@ class UpstreamStream:
         if previous is None or previous.lease is None or previous.lease.fenced.is_set():
             return True
         if not self._fencing_in_progress(previous):
-            # Envoy starts another attempt only once the previous upstream request is over: its closed
-            # connection is the proof that nothing more can arrive from it into this stream.
-            await self._leases.release(previous.lease, FenceProof.CONNECTION_CLOSED)
-            return True
+            # Envoy started another attempt on its own: the previous upstream request is over.
+            return await self._settle_closed_attempt(request, previous)
         try:
             await asyncio.wait_for(previous.lease.fenced.wait(), previous.lease.ttl_seconds + 5)
         except TimeoutError:
             log.error("attempt %s never got fenced: refusing the retry", previous.attempt_id)
             return False
         return True
+
+    async def _settle_closed_attempt(self, request: LogicalRequest, record: AttemptRecord) -> bool:
+        """An attempt whose connection closed under it. If its replica showed no sign of running on
+        (heartbeat fine, no unreceived progress), it is dead and the closed connection is the proof that
+        nothing more can arrive from it. Otherwise (heartbeat lapsed, or it reported bytes that never
+        arrived: a lost path) it may still be decoding: fence it. False: the fence cannot be proven."""
+        assert record.lease is not None
+        if not self._liveness_uncertain(record):
+            await self._leases.release(record.lease, FenceProof.CONNECTION_CLOSED)
+            return True
+        request.on_replica_lost(record)
+        self._journal.update(request)
+        started = time.monotonic()
+        proof = await self._leases.fence(record.lease)
+        request.on_attempt_fenced(record, proof.value if proof else None, time.monotonic() - started)
+        self._journal.update(request)
+        return proof is not None
+
+    def _liveness_uncertain(self, record: AttemptRecord) -> bool:
+        tracked = self._progress.tracked(record.attempt_id)
+        unreceived_progress = tracked is not None and tracked.reported > tracked.received
+        return unreceived_progress or self._liveness.state(record.replica) is Liveness.LOST
 
     @staticmethod
     def _fencing_in_progress(record: AttemptRecord) -> bool:
@@ -146,7 +180,7 @@ class UpstreamStream:
                 if isinstance(decision, AttemptFailed):
                     request.on_attempt_lost(record, decision)
                     self._journal.update(request)
-                    self._release_in_background(record)
+                    self._settle_in_background(request, record)
                 return
             which = message.WhichOneof("request")
             if self._decided:
@@ -164,6 +198,7 @@ class UpstreamStream:
             elif which == "response_body":
                 held_bodies += 1
                 body = message.response_body
+                self._tracked.received += len(body.body)
                 decision = attempt.on_response_body(body.body, body.end_of_stream)
             else:
                 continue
@@ -199,7 +234,8 @@ class UpstreamStream:
                 request.on_attempt_released(record, first_delta=decision.first_delta)
                 await self._write_ahead(request)
                 # From here the downstream owns this attempt: it ends the stream if the replica is lost.
-                live.watch_publisher(self._liveness, record)
+                live.watch_publisher(self._liveness, record, self._tracked)
+                self._handed_over = True
             else:
                 request.on_attempt_passed_through(record, decision.status)
                 self._journal.update(request)
@@ -258,14 +294,17 @@ class UpstreamStream:
             if self._decided:
                 return
             self._decided = True
-            if isinstance(outcome, TriggerRetry):
-                await context.write(_RETRY)
-            else:
-                await context.write(
-                    m.immediate(
-                        outcome.status, outcome.body, extra_headers=[("x-request-id", request.request_id)]
-                    )
+            reply = (
+                _RETRY
+                if isinstance(outcome, TriggerRetry)
+                else m.immediate(
+                    outcome.status, outcome.body, extra_headers=[("x-request-id", request.request_id)]
                 )
+            )
+            # A fence decided after Envoy had already torn the attempt down (TCP keepalive, client gone):
+            # no one is left to answer; Envoy retries or ends the request on its own.
+            with contextlib.suppress(grpc.aio.UsageError):
+                await context.write(reply)
 
     async def _write_refusal(
         self, context: grpc.aio.ServicerContext, request: LogicalRequest, refusal: FailRequest
@@ -274,6 +313,13 @@ class UpstreamStream:
         await context.write(
             m.immediate(refusal.status, refusal.body, extra_headers=[("x-request-id", request.request_id)])
         )
+
+    def _settle_in_background(self, request: LogicalRequest, record: AttemptRecord) -> None:
+        if record.lease is None or record.lease.fenced.is_set() or self._fencing:
+            return
+        # Mark it at once, so that a retry's gate waits for this settlement instead of racing it.
+        self._leases.stop_honouring(record.lease)
+        asyncio.get_running_loop().create_task(self._settle_closed_attempt(request, record))
 
     def _release_in_background(self, record: AttemptRecord) -> None:
         if record.lease is not None and not record.lease.fenced.is_set() and not self._fencing:

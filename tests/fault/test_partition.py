@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +68,21 @@ class Namespace:
         _run("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_SIDE}/30", "dev", f"{NS}-n")
         _run("ip", "netns", "exec", NS, "ip", "link", "set", f"{NS}-n", "up")
         _run("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+
+    def cut_port(self, port: int) -> None:
+        """Drop only the traffic of one TCP port (gateway ↔ replica); etcd stays reachable from inside."""
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            NS,
+            "nft",
+            "add table inet cut; "
+            f"add chain inet cut in {{ type filter hook input priority 0; policy accept; "
+            f"tcp dport {port} drop; }}; "
+            f"add chain inet cut out {{ type filter hook output priority 0; policy accept; "
+            f"tcp sport {port} drop; }}",
+        )
 
     def partition(self) -> None:
         """Drop every packet in and out of the namespace; connections stay 'open' on both ends."""
@@ -128,11 +144,18 @@ class NsSim(Sim):
 
 
 class NsAgent(Agent):
+    """The agent of the namespace replica, in replica mode: its own Envoy fronts the engine (the
+    replica-side fence, which also reports each attempt's progress); gateways route to the front."""
+
     def __init__(self, sim: Sim, etcd: str, work: Path) -> None:
+        self.front = f"{NS_SIDE}:{free_port()}"
         super().__init__(sim, etcd, work, ttl=LEASE_TTL, interval=0.3)
 
     def start(self) -> None:
-        self._argv = ["ip", "netns", "exec", NS, *self._argv] if self._argv[0] != "ip" else self._argv
+        if self._argv[0] != "ip":
+            advertise = self._argv.index("--advertise")
+            self._argv[advertise + 1] = self.front
+            self._argv = ["ip", "netns", "exec", NS, *self._argv, "--front", self.front]
         super().start()
 
 
@@ -150,12 +173,14 @@ def partitioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gate
         etcd_port = etcd.rpartition(":")[2]
         inside, outside = NsSim(work), Sim("host", work, token_interval=0.05)
         started += [inside, outside]
-        started.append(NsAgent(inside, f"{HOST_SIDE}:{etcd_port}", work))
+        ns_agent = NsAgent(inside, f"{HOST_SIDE}:{etcd_port}", work)
+        started.append(ns_agent)
         started.append(Agent(outside, etcd, work, ttl=LEASE_TTL, interval=0.3))
         config = work / "policy.yaml"
         config.write_text(f"leases:\n  attempt_ttl_seconds: {LEASE_TTL}\n")
-        gateway = Gateway(replicas=[inside.endpoint, outside.endpoint], etcd=etcd, work=work, config=config)
+        gateway = Gateway(replicas=[ns_agent.front, outside.endpoint], etcd=etcd, work=work, config=config)
         started.append(gateway)
+        inside.front = ns_agent.front  # type: ignore[attr-defined]
         yield gateway, inside, outside, ns
     finally:
         ns.heal()
@@ -228,7 +253,7 @@ def test_partition_before_first_delta_fences_then_retries(
     no_overlapping_content(result)
     journal = gateway.wait_journal(key, lambda j: j["phase"] == "completed")
     first, second = journal["attempts"]
-    assert first["replica"] == inside.endpoint and second["replica"] == outside.endpoint
+    assert first["replica"] == inside.front and second["replica"] == outside.endpoint
     assert first["fence"]["proof"] == "lease_expiry"
     events = order(journal)
     assert (
@@ -249,7 +274,7 @@ def test_partition_after_first_delta_ends_with_terminal_frame(
 ) -> None:
     gateway, inside, _, ns = partitioned
     # After the previous partition healed, the agent registers the replica again (a new lease).
-    poll(lambda: registered(gateway.etcd, inside.endpoint), timeout=20, what="the replica registered again")
+    poll(lambda: registered(gateway.etcd, inside.front), timeout=20, what="the replica registered again")
     raw = bytearray()
     two_deltas, done = threading.Event(), threading.Event()
     for n in itertools.count():
@@ -301,3 +326,44 @@ def test_partition_after_first_delta_ends_with_terminal_frame(
     while time.monotonic() < time_limit and len(raw) == len(final):
         time.sleep(0.1)
     assert bytes(raw) == final
+
+
+def test_path_lost_while_the_replica_reaches_etcd_is_seen_from_its_progress(
+    partitioned: tuple[Gateway, Sim, Sim, Namespace],
+) -> None:
+    """Only gateway ↔ replica is cut: the heartbeat stays fine, but the replica side reports bytes that
+    never arrive. That is the evidence of a lost path (not slowness): fence — acknowledged by the replica
+    side, which still reaches etcd — then retry."""
+    gateway, inside, outside, ns = partitioned
+    poll(lambda: registered(gateway.etcd, inside.front), timeout=20, what="the replica registered")
+    front_port = int(inside.front.rpartition(":")[2])  # type: ignore[attr-defined]
+    key, client, box = start_on_namespace_replica(gateway, inside, outside, chat(max_tokens=30), "cut-path")
+    cut_at = time.time()
+    ns.cut_port(front_port)
+    try:
+        client.join(40)
+        result: ClientResult = box["r"]
+    finally:
+        ns.heal()
+    assert result.status == 200 and result.data()[-1] == "[DONE]" and len(result.content_chunks()) == 30
+    no_overlapping_content(result)
+    journal = gateway.wait_journal(key, lambda j: j["phase"] == "completed")
+    first, second = journal["attempts"]
+    assert first["replica"] == inside.front and second["replica"] == outside.endpoint  # type: ignore[attr-defined]
+    # Its path was found lost either from the progress gap (still held) or when the connection dropped
+    # (TCP keepalive); either way it was fenced with the replica side's acknowledgement before the retry.
+    assert first["fence"]["proof"] == "cancel_ack", json.dumps([cut_at, journal["events"]])
+    assert registered(gateway.etcd, inside.front), "the heartbeat never lapsed: this was not a dead replica"  # type: ignore[attr-defined]
+    events = order(journal)
+    assert (
+        events.index(("replica_lost", 1))
+        < events.index(("attempt_fenced", 1))
+        < events.index(("attempt_started", 2))
+    )
+    assert first["lease"]["revoked_at"] <= second["lease"]["granted_at"]
+    at = {f"{e['event']}{e.get('attempt')}": e["t"] for e in journal["events"]}
+    print(
+        f"path cut → lost {at['replica_lost1'] - cut_at:.2f}s, "
+        f"→ fenced (ack) {at['attempt_fenced1'] - cut_at:.2f}s, "
+        f"→ retry {at['attempt_started2'] - cut_at:.2f}s"
+    )

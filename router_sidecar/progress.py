@@ -1,0 +1,111 @@
+"""Liveness from progress: the replica side says it sent bytes that never arrive here.
+
+A replica whose heartbeat is fine but whose bytes stop reaching the gateway (a partition between the two
+only) looks exactly like a slow one from the gateway's side. The replica-side fence reports, at a modest
+rate, how many bytes of each attempt it forwarded (`/attempts/<id>/progress`, under the attempt's lease).
+When the replica has reported more than the gateway received for `gap_seconds` in a row, the path is
+lost while the replica may be alive: the attempt is fenced like one whose heartbeat lapsed. This is
+evidence-driven, not a latency timeout: a slow replica reports no progress that is missing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from router_sidecar.store import EtcdStore, Store, keys
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_SECONDS = 0.25
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One attempt's byte count as received here, and what to do if its path is lost."""
+
+    attempt_id: str
+    on_lost: Callable[[], Awaitable[None]]
+    received: int = 0
+    reported: int = 0
+    gap_since: float | None = None
+    fired: bool = False
+
+
+class ProgressMonitor:
+    def __init__(self, store: Store, gap_seconds: float) -> None:
+        self._store = store
+        self.gap_seconds = gap_seconds
+        self._tracked: dict[str, Tracked] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        if isinstance(self._store, EtcdStore):  # progress reports arrive through an etcd watch
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._watch()), loop.create_task(self._check_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def track(self, attempt_id: str, on_lost: Callable[[], Awaitable[None]]) -> Tracked:
+        tracked = self._tracked[attempt_id] = Tracked(attempt_id, on_lost)
+        return tracked
+
+    def untrack(self, tracked: Tracked) -> None:
+        if self._tracked.get(tracked.attempt_id) is tracked:
+            del self._tracked[tracked.attempt_id]
+
+    def untrack_later(self, tracked: Tracked, seconds: float = 30.0) -> None:
+        """Stop acting on it now, forget it later: a retry's gate still asks what it reported."""
+        tracked.fired = True
+        asyncio.get_running_loop().call_later(seconds, self.untrack, tracked)
+
+    def tracked(self, attempt_id: str) -> Tracked | None:
+        return self._tracked.get(attempt_id)
+
+    def check(self, now: float) -> list[Tracked]:
+        """The attempts whose path is lost as of `now` (each returned once)."""
+        lost = []
+        for tracked in list(self._tracked.values()):
+            if tracked.reported <= tracked.received:
+                tracked.gap_since = None
+                continue
+            if tracked.gap_since is None:
+                tracked.gap_since = now
+            elif not tracked.fired and now - tracked.gap_since >= self.gap_seconds:
+                tracked.fired = True
+                lost.append(tracked)
+        return lost
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_SECONDS)
+            for tracked in self.check(time.monotonic()):
+                log.warning(
+                    "attempt %s: the replica reported %d bytes, %d arrived for %.1fs: path lost",
+                    tracked.attempt_id,
+                    tracked.reported,
+                    tracked.received,
+                    self.gap_seconds,
+                )
+                asyncio.get_running_loop().create_task(tracked.on_lost())
+
+    async def _watch(self) -> None:
+        assert isinstance(self._store, EtcdStore)
+        async for key, value in self._store.watch_prefix(keys.ATTEMPTS_PREFIX):
+            if value is None or not key.endswith("/progress"):
+                continue
+            attempt_id = key[len(keys.ATTEMPTS_PREFIX) : -len("/progress")]
+            tracked = self._tracked.get(attempt_id)
+            if tracked is None:
+                continue
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                tracked.reported = max(tracked.reported, int(json.loads(value)["bytes"]))
