@@ -23,17 +23,14 @@ from google.protobuf.struct_pb2 import Struct
 
 from router_sidecar.discovery import choose_pin, pin_metadata
 from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.registry import Live, Registry
+from router_sidecar.extproc.registry import Live
+from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.tool_calls import ToolCallStream
-from router_sidecar.fencing import AttemptLeases
-from router_sidecar.journal import ClaimConflict, Journal
-from router_sidecar.liveness import LivenessMonitor
+from router_sidecar.journal import ClaimConflict
 from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
-from router_sidecar.policy import Policy
-from router_sidecar.progress import ProgressMonitor
 from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
 from router_sidecar.store import StoreUnavailable
-from router_sidecar.tools import TOOLS_PREFIX, ToolLedger
+from router_sidecar.tools import TOOLS_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -82,29 +79,17 @@ def _error(
 
 
 class DownstreamStream:
-    def __init__(
-        self,
-        *,
-        policy: Policy,
-        registry: Registry,
-        journal: Journal,
-        ledger: ToolLedger,
-        leases: AttemptLeases,
-        liveness: LivenessMonitor,
-        progress: ProgressMonitor,
-        discovery: bool,
-        gateway_id: str,
-    ) -> None:
-        self._progress = progress
-        self._liveness = liveness
-        self._discovery = discovery  # replicas come from the registry (EDS): pin each request to a group
-        self._policy = policy
-        self._registry = registry
-        self._journal = journal
-        self._ledger = ledger
-        self._gateway_id = gateway_id
+    def __init__(self, services: Services) -> None:
+        self._policy = services.policy
+        self._registry = services.registry
+        self._journal = services.journal
+        self._ledger = services.ledger
+        self._leases = services.leases
+        self._liveness = services.liveness
+        self._progress = services.progress
+        self._discovery = services.discovery
+        self._gateway_id = services.gateway_id
         self._tool: ToolCallStream | None = None
-        self._leases = leases
         self._context: grpc.aio.ServicerContext | None = None
         self._write_lock = asyncio.Lock()  # replies to Envoy's messages and our own (fence) writes
         self._ended_by_us = False  # we sent end_of_stream: nothing more goes to the client

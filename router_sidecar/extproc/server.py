@@ -15,6 +15,7 @@ from router_sidecar.discovery import EndpointDiscovery
 from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.downstream import DownstreamStream
 from router_sidecar.extproc.registry import Registry
+from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
 from router_sidecar.fencing import AttemptLeases
 from router_sidecar.journal import Journal
@@ -33,51 +34,15 @@ PLACEMENT_METADATA = "x-router-sidecar-placement"
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Dispatches each ext_proc stream to the servicer of its filter placement (from initial metadata)."""
 
-    def __init__(
-        self,
-        *,
-        policy: Policy,
-        registry: Registry,
-        journal: Journal,
-        ledger: ToolLedger,
-        leases: AttemptLeases,
-        liveness: LivenessMonitor,
-        progress: ProgressMonitor,
-        discovery: bool,
-        gateway_id: str,
-    ) -> None:
-        self._progress = progress
-        self._discovery = discovery
-        self._policy = policy
-        self._registry = registry
-        self._journal = journal
-        self._ledger = ledger
-        self._leases = leases
-        self._liveness = liveness
-        self._gateway_id = gateway_id
+    def __init__(self, services: Services) -> None:
+        self._services = services
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         placement = dict(context.invocation_metadata() or ()).get(PLACEMENT_METADATA)
         if placement == "downstream":
-            await DownstreamStream(
-                policy=self._policy,
-                registry=self._registry,
-                journal=self._journal,
-                ledger=self._ledger,
-                leases=self._leases,
-                liveness=self._liveness,
-                progress=self._progress,
-                discovery=self._discovery,
-                gateway_id=self._gateway_id,
-            ).run(context)
+            await DownstreamStream(self._services).run(context)
         elif placement == "upstream":
-            await UpstreamStream(
-                registry=self._registry,
-                journal=self._journal,
-                leases=self._leases,
-                liveness=self._liveness,
-                progress=self._progress,
-            ).run(context)
+            await UpstreamStream(self._services).run(context)
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -115,20 +80,18 @@ class SidecarServer:
         self.liveness = LivenessMonitor(ReplicaRegistry(store) if isinstance(store, EtcdStore) else None)
         self.progress = ProgressMonitor(store, policy.liveness.progress_gap_seconds)
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(
-                policy=policy,
-                registry=self.registry,
-                journal=self.journal,
-                ledger=ToolLedger(store, policy.tools),
-                leases=self.leases,
-                liveness=self.liveness,
-                progress=self.progress,
-                discovery=discovery,
-                gateway_id=gateway_id,
-            ),
-            self._server,
+        services = Services(
+            policy=policy,
+            registry=self.registry,
+            journal=self.journal,
+            ledger=ToolLedger(store, policy.tools),
+            leases=self.leases,
+            liveness=self.liveness,
+            progress=self.progress,
+            discovery=discovery,
+            gateway_id=gateway_id,
         )
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), self._server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
             EndpointDiscovery(self.liveness), self._server

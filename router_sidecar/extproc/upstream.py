@@ -25,11 +25,10 @@ import grpc
 from router_sidecar.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
 from router_sidecar.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.registry import Live, Registry
-from router_sidecar.fencing import AttemptLeases, FenceProof
-from router_sidecar.journal import Journal
-from router_sidecar.liveness import Liveness, LivenessMonitor
-from router_sidecar.progress import ProgressMonitor
+from router_sidecar.extproc.registry import Live
+from router_sidecar.extproc.services import Services
+from router_sidecar.fencing import FenceProof
+from router_sidecar.liveness import Liveness
 from router_sidecar.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
 from router_sidecar.store import StoreUnavailable
 
@@ -43,21 +42,13 @@ def new_attempt_id() -> str:
 
 
 class UpstreamStream:
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        journal: Journal,
-        leases: AttemptLeases,
-        liveness: LivenessMonitor,
-        progress: ProgressMonitor,
-    ) -> None:
-        self._progress = progress
+    def __init__(self, services: Services) -> None:
+        self._registry = services.registry
+        self._journal = services.journal
+        self._leases = services.leases
+        self._liveness = services.liveness
+        self._progress = services.progress
         self._handed_over = False  # the downstream now answers for this attempt's progress
-        self._registry = registry
-        self._journal = journal
-        self._leases = leases
-        self._liveness = liveness
         self._write_lock = asyncio.Lock()
         self._decided = False  # the one final reply for this attempt has been written
         self._fencing = False  # a liveness fence is under way: no release, whatever arrives

@@ -1,0 +1,26 @@
+"""What every ext_proc stream of one sidecar shares: built once by the server, handed to each stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router_sidecar.extproc.registry import Registry
+from router_sidecar.fencing import AttemptLeases
+from router_sidecar.journal import Journal
+from router_sidecar.liveness import LivenessMonitor
+from router_sidecar.policy import Policy
+from router_sidecar.progress import ProgressMonitor
+from router_sidecar.tools import ToolLedger
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    policy: Policy
+    registry: Registry  # live logical requests: where the two filter placements meet
+    journal: Journal
+    ledger: ToolLedger  # tool-call idempotency records
+    leases: AttemptLeases
+    liveness: LivenessMonitor  # replica heartbeats from the registry
+    progress: ProgressMonitor  # replica-reported progress vs bytes received
+    discovery: bool  # replicas come from the registry (EDS): pin each request to a compatibility group
+    gateway_id: str
