@@ -200,8 +200,13 @@ class FenceStream:
         if self._headers_seen:
             await self._context.write(m.streamed_body(b"", True))
         else:
-            # Nothing went out yet: a 503 answer is just as final for the gateway, and resets the engine too.
-            await self._context.write(_refusal("attempt_fenced", f"the attempt was fenced ({reason})"))
+            # Nothing went out yet, and Envoy takes no unsolicited answer while it waits for the engine's
+            # headers: end the ext_proc stream with an error instead. The front (fail closed) then answers
+            # the gateway with an error status, which is just as final there, and resets the engine request.
+            with contextlib.suppress(grpc.aio.AbortError):
+                await self._context.abort(
+                    grpc.StatusCode.ABORTED, f"attempt {guard.attempt_id} fenced ({reason})"
+                )
 
     def _acknowledge(self, guard: AttemptGuard) -> None:
         reason = guard.reason or "local_deadline"

@@ -53,6 +53,7 @@ class UpstreamStream:
         self._decided = False  # the one final reply for this attempt has been written
         self._fencing = False  # a liveness fence is under way: no release, whatever arrives
         self._deferred: TriggerRetry | FailRequest | None = None  # decided before the headers arrived
+        self._headers_arrived = False  # response headers came in while a fence was under way
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -180,7 +181,10 @@ class UpstreamStream:
                 await self._write_outcome(context, request, self._deferred)
                 return
             if self._fencing:
-                continue  # whatever the fenced attempt sends now is dropped; the fence decides
+                # Whatever the fenced attempt sends now is dropped; the fence decides. Its response headers
+                # (e.g. the replica side's own 503 once it stopped) are what the fence's answer will answer.
+                self._headers_arrived = self._headers_arrived or which == "response_headers"
+                continue
             if which == "response_headers":
                 headers = m.header_map(message.response_headers)
                 decision = attempt.on_response_headers(
@@ -260,7 +264,7 @@ class UpstreamStream:
             no_compatible_replica=self._no_compatible_replica(request, record),
         )
         self._journal.update(request)
-        if attempt.status is None:
+        if attempt.status is None and not self._headers_arrived:
             self._deferred = outcome  # no response headers to answer yet: answer them when they come
             return
         await self._write_outcome(context, request, outcome)

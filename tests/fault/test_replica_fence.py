@@ -104,10 +104,19 @@ def test_plain_request_passes_through_the_front(cluster: tuple[Gateway, dict[str
     assert answer.data()[-1] == "[DONE]" and len(answer.content_chunks()) == 5
 
 
-def test_frozen_in_prefill_is_fenced_by_cancel_ack(cluster: tuple[Gateway, dict[str, Any]]) -> None:
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "delay@role for=2 attempt=1",  # frozen after the response headers went out (vLLM sends them at once)
+        "delay@headers for=2 attempt=1",  # frozen before any response byte: the front answers 503 itself
+    ],
+)
+def test_frozen_in_prefill_is_fenced_by_cancel_ack(
+    cluster: tuple[Gateway, dict[str, Any]], fault: str
+) -> None:
     gateway, parts = cluster
     sims: dict[str, Sim] = parts["sims"]
-    key = "replica-fence-frozen-in-prefill"
+    key = f"replica-fence-frozen-in-prefill-{fault.split('@')[1].split()[0]}"
     result: dict[str, ClientResult] = {}
     client = threading.Thread(
         target=lambda: result.setdefault(
@@ -115,7 +124,7 @@ def test_frozen_in_prefill_is_fenced_by_cancel_ack(cluster: tuple[Gateway, dict[
             post(
                 f"{gateway.url}/v1/chat/completions",
                 chat(max_tokens=4),
-                headers={"idempotency-key": key, "x-sim-fault": "delay@role for=2 attempt=1"},
+                headers={"idempotency-key": key, "x-sim-fault": fault},
             ),
         )
     )
