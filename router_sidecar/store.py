@@ -177,8 +177,9 @@ class EtcdStore:
             await asyncio.sleep(retry_interval)
 
     async def close(self) -> None:
+        # Bounded: aetcd's close waits for its watch streams, which may never answer during shutdown.
         with contextlib.suppress(Exception):
-            await self._client.close()
+            await asyncio.wait_for(self._client.close(), 2.0)
 
 
 class RetentionLeases:
