@@ -203,3 +203,11 @@ def stop_on_signals() -> Iterator[asyncio.Event]:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+def listen_socket(host: str, port: int) -> tuple[socket.socket, str]:
+    """A bound listening TCP socket (port 0: any free one) and its address as HOST:PORT."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, reuse_port=False)
+    bound = sock.getsockname()
+    return sock, f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"

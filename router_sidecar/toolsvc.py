@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ from typing import Any
 from router_sidecar.sim.log import Record, RequestLog, read_log
 from router_sidecar.sim.process import SimProcess, _read_ready_line
 from router_sidecar.sim.server import BadRequest, Connection, Request, parse_listen
-from router_sidecar.supervise import stop_on_signals
+from router_sidecar.supervise import listen_socket, stop_on_signals
 
 FAULT_HEADER = "x-tool-fault"
 RETRIABLE_HEADER = "x-tool-retriable"
@@ -268,10 +267,7 @@ class ToolService:
 
 
 async def serve(host: str, port: int, name: str | None, log_path: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, reuse_port=False)
-    bound = sock.getsockname()
-    address = f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
+    sock, address = listen_socket(host, port)
     svc = ToolService(name or address, log_path)
     server = await asyncio.start_server(svc.handle_connection, sock=sock)
     print(f"toolsvc {svc.name} listening on {address}", flush=True)

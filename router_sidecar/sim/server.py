@@ -47,7 +47,7 @@ from router_sidecar.sim.faults import (
     token_point,
 )
 from router_sidecar.sim.log import RequestLog
-from router_sidecar.supervise import stop_on_signals
+from router_sidecar.supervise import listen_socket, stop_on_signals
 
 MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024
@@ -718,10 +718,7 @@ def config_from_args(argv: Sequence[str] | None) -> SimConfig:
 
 
 async def serve(config: SimConfig) -> int:
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.create_server((config.host, config.port), family=family, reuse_port=False)
-    bound = sock.getsockname()
-    address = f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
+    sock, address = listen_socket(config.host, config.port)
     if not config.name:
         config = dataclasses.replace(config, name=address)
     sim = Simulator(config)
