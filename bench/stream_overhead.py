@@ -29,9 +29,9 @@ from typing import Any, cast
 
 import yaml
 
-from router_sidecar.envoy_config import Endpoint, GatewaySpec, find_envoy, render
-from router_sidecar.policy import load_policy
-from router_sidecar.supervise import (
+from router_sidecar.core.policy import load_policy
+from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render
+from router_sidecar.runtime.supervise import (
     Child,
     ProcessFailed,
     free_port,
@@ -327,7 +327,7 @@ def start_plain_envoy(envoy: str, spec: GatewaySpec, work: Path) -> Child:
     config_path = work / "plain-envoy.yaml"
     config_path.write_text(yaml.safe_dump(plain_envoy_config(render(spec)), sort_keys=False))
     admin_path = work / "plain-admin-address"
-    # Same flags as router_sidecar/gateway.py starts its Envoy with.
+    # Same flags as router_sidecar/runtime/gateway.py starts its Envoy with.
     argv = [envoy, "-c", str(config_path), "--disable-hot-restart", "--log-level", "warn"]
     child = Child(
         "plain-envoy", [*argv, "--admin-address-path", str(admin_path)], log_path=work / "plain-envoy.log"

@@ -1,5 +1,5 @@
 import sys
 
-from router_sidecar.cli import main
+from router_sidecar.runtime.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router_sidecar.supervise import start_etcd
+from router_sidecar.runtime.supervise import start_etcd
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from router_sidecar.supervise import Child, free_port, port_open, wait_until
+from router_sidecar.runtime.supervise import Child, free_port, port_open, wait_until
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ class Sim:
         argv = [
             PYTHON,
             "-m",
-            "router_sidecar.sim",
+            "router_sidecar.testbed.sim",
             "--listen",
             self.endpoint,
             "--name",

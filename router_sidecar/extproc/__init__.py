@@ -1,1 +1,2 @@
-"""The ext_proc shell: translates Envoy's messages into machine events and decisions back into replies."""
+"""The gRPC shell facing Envoy: ext_proc servicers (downstream, upstream, replica side), the access log and
+EDS. They translate messages into machine inputs and carry out the machines' decisions."""

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from router_sidecar.core.request import DownstreamLoss
 from router_sidecar.extproc.registry import Registry
-from router_sidecar.request import DownstreamLoss
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,16 @@ import urllib.parse
 import grpc
 from google.protobuf.struct_pb2 import Struct
 
-from router_sidecar.discovery import choose_pin, pin_metadata
+from router_sidecar.coordination.journal import ClaimConflict
+from router_sidecar.coordination.store import StoreUnavailable
+from router_sidecar.core.openai_api import RequestRejected, RouteKind, parse_request, route_kind
+from router_sidecar.core.request import DownstreamLoss, Forward, LogicalRequest, Phase
+from router_sidecar.core.tools import TOOLS_PREFIX
 from router_sidecar.extproc import messages as m
+from router_sidecar.extproc.discovery import choose_pin, pin_metadata
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.tool_calls import ToolCallStream
-from router_sidecar.journal import ClaimConflict
-from router_sidecar.openai_api import RequestRejected, RouteKind, parse_request, route_kind
-from router_sidecar.request import DownstreamLoss, Forward, LogicalRequest, Phase
-from router_sidecar.store import StoreUnavailable
-from router_sidecar.tools import TOOLS_PREFIX
 
 log = logging.getLogger(__name__)
 

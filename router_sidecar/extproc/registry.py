@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from router_sidecar.liveness import LivenessMonitor
-from router_sidecar.progress import Tracked
-from router_sidecar.request import AttemptRecord, DownstreamLoss, LogicalRequest
+from router_sidecar.coordination.liveness import LivenessMonitor
+from router_sidecar.coordination.progress import Tracked
+from router_sidecar.core.request import AttemptRecord, DownstreamLoss, LogicalRequest
 
 
 @dataclass(slots=True)

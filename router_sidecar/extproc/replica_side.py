@@ -25,9 +25,7 @@ from pathlib import Path
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from router_sidecar.envoy_config import Endpoint
-from router_sidecar.extproc import messages as m
-from router_sidecar.replica_fence import (
+from router_sidecar.coordination.replica_fence import (
     DEFAULT_SAFETY_MARGIN,
     AttemptGuard,
     CancelAcks,
@@ -35,7 +33,9 @@ from router_sidecar.replica_fence import (
     FrontSpec,
     parse_lease_header,
 )
-from router_sidecar.store import EtcdStore, Lease, StoreUnavailable, keys
+from router_sidecar.coordination.store import EtcdStore, Lease, StoreUnavailable, keys
+from router_sidecar.extproc import messages as m
+from router_sidecar.runtime.envoy_config import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -11,20 +11,20 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from router_sidecar.discovery import EndpointDiscovery
+from router_sidecar.coordination.fencing import AttemptLeases
+from router_sidecar.coordination.journal import Journal
+from router_sidecar.coordination.liveness import LivenessMonitor
+from router_sidecar.coordination.progress import ProgressMonitor
+from router_sidecar.coordination.registry_store import ReplicaRegistry
+from router_sidecar.coordination.store import EtcdStore, Store
+from router_sidecar.coordination.tool_ledger import ToolLedger
+from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.access_log import AccessLogServicer
+from router_sidecar.extproc.discovery import EndpointDiscovery
 from router_sidecar.extproc.downstream import DownstreamStream
 from router_sidecar.extproc.registry import Registry
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
-from router_sidecar.fencing import AttemptLeases
-from router_sidecar.journal import Journal
-from router_sidecar.liveness import LivenessMonitor
-from router_sidecar.policy import Policy
-from router_sidecar.progress import ProgressMonitor
-from router_sidecar.registry_store import ReplicaRegistry
-from router_sidecar.store import EtcdStore, Store
-from router_sidecar.tools import ToolLedger
 
 log = logging.getLogger(__name__)
 

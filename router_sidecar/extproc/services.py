@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router_sidecar.coordination.fencing import AttemptLeases
+from router_sidecar.coordination.journal import Journal
+from router_sidecar.coordination.liveness import LivenessMonitor
+from router_sidecar.coordination.progress import ProgressMonitor
+from router_sidecar.coordination.tool_ledger import ToolLedger
+from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.registry import Registry
-from router_sidecar.fencing import AttemptLeases
-from router_sidecar.journal import Journal
-from router_sidecar.liveness import LivenessMonitor
-from router_sidecar.policy import Policy
-from router_sidecar.progress import ProgressMonitor
-from router_sidecar.tools import ToolLedger
 
 
 @dataclass(frozen=True, slots=True)

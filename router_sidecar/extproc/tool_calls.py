@@ -11,26 +11,26 @@ import json
 import logging
 import time
 
-from router_sidecar.events import EventName
-from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.registry import Registry
-from router_sidecar.journal import Journal
-from router_sidecar.policy import ToolsPolicy
-from router_sidecar.request import LogicalRequest
-from router_sidecar.store import StoreUnavailable
-from router_sidecar.tool_keys import request_id_of
-from router_sidecar.tools import (
+from router_sidecar.coordination.journal import Journal
+from router_sidecar.coordination.store import StoreUnavailable
+from router_sidecar.coordination.tool_ledger import ToolLedger
+from router_sidecar.core.events import EventName
+from router_sidecar.core.policy import ToolsPolicy
+from router_sidecar.core.request import LogicalRequest
+from router_sidecar.core.tool_keys import request_id_of
+from router_sidecar.core.tools import (
     REPLAY_HEADER,
     Refuse,
     Replay,
     ResponseFate,
     StillRunning,
-    ToolLedger,
     ToolResponse,
     answer_for_existing,
     body_digest,
     claim_record,
 )
+from router_sidecar.extproc import messages as m
+from router_sidecar.extproc.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ import time
 
 import grpc
 
-from router_sidecar.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
-from router_sidecar.discovery import compatible_alternatives, why_no_compatible_replica
+from router_sidecar.coordination.fencing import FenceProof
+from router_sidecar.coordination.liveness import Liveness
+from router_sidecar.coordination.store import StoreUnavailable
+from router_sidecar.core.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
+from router_sidecar.core.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
 from router_sidecar.extproc import messages as m
+from router_sidecar.extproc.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
-from router_sidecar.fencing import FenceProof
-from router_sidecar.liveness import Liveness
-from router_sidecar.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
-from router_sidecar.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

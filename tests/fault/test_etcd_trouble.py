@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router_sidecar.supervise import Child, free_port, start_etcd
+from router_sidecar.runtime.supervise import Child, free_port, start_etcd
 from tests.harness import Gateway, Sim, chat, poll, post
 
 pytestmark = pytest.mark.fault

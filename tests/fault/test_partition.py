@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.registry_store import ReplicaRegistry, open_store
-from router_sidecar.supervise import Child, free_port, port_open, start_etcd, wait_until
+from router_sidecar.coordination.registry_store import ReplicaRegistry, open_store
+from router_sidecar.runtime.supervise import Child, free_port, port_open, start_etcd, wait_until
 from tests.harness import (
     PYTHON,
     Agent,
@@ -128,7 +128,7 @@ class NsSim(Sim):
             NS,
             PYTHON,
             "-m",
-            "router_sidecar.sim",
+            "router_sidecar.testbed.sim",
             "--listen",
             self.endpoint,
             "--name",

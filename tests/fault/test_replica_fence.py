@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.replica_fence import AttemptGuard
-from router_sidecar.store import EtcdStore, keys
-from router_sidecar.supervise import Child, free_port, start_etcd, wait_until
+from router_sidecar.coordination.replica_fence import AttemptGuard
+from router_sidecar.coordination.store import EtcdStore, keys
+from router_sidecar.runtime.supervise import Child, free_port, start_etcd, wait_until
 from tests.harness import PYTHON, ClientResult, Gateway, Sim, chat, no_overlapping_content, poll, post
 
 pytestmark = pytest.mark.fault

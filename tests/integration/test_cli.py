@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router_sidecar.supervise import free_port
+from router_sidecar.runtime.supervise import free_port
 
 pytestmark = pytest.mark.integration
 

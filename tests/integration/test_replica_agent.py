@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.fingerprint import Fingerprint, describe_difference, load_fingerprint_file, merge
-from router_sidecar.registry_store import Replica, ReplicaRegistry, open_store
-from router_sidecar.replica_agent import EngineDown, EngineProbe
-from router_sidecar.supervise import _die_with_parent, free_port, start_etcd
+from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry, open_store
+from router_sidecar.core.fingerprint import Fingerprint, describe_difference, load_fingerprint_file, merge
+from router_sidecar.runtime.replica_agent import EngineDown, EngineProbe
+from router_sidecar.runtime.supervise import _die_with_parent, free_port, start_etcd
 from tests.harness import Sim
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ TTL = 3
 INTERVAL = 0.5
 PROBE_TIMEOUT = 0.5  # the agent's probe timeout: min(interval, 2 s)
 SLACK = 1.0  # scheduling, process start-up, etcd's lease-expiry check period (500 ms in 3.4)
-# What the simulator reports about itself (router_sidecar.sim: model "tiny", vLLM 0.32.0, no adapters).
+# What the simulator (router_sidecar.testbed.sim) reports: model "tiny", vLLM 0.32.0, no adapters.
 REPLICA = [sys.executable, "-m", "router_sidecar", "replica"]
 SIM_REPORTS = Fingerprint(model_id="tiny", lora_adapters=(), engine_name="vllm", engine_version="0.32.0")
 

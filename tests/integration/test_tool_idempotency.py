@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.supervise import free_port
-from router_sidecar.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
+from router_sidecar.runtime.supervise import free_port
+from router_sidecar.testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
 from tests.harness import Gateway, Sim, chat, poll, post
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,6 @@
-"""Faithfulness: the simulator (router_sidecar.sim) and real vLLM 0.32 answer the same request shapes with
-the same event structure — keys and their order, role event, finish event, usage event, [DONE], error shapes.
+"""Faithfulness: the simulator (router_sidecar.testbed.sim) and real vLLM 0.32 answer the same request shapes
+with the same event structure — keys and their order, role event, finish event, usage event, [DONE], error
+shapes.
 
 Text and ids are random, so only structure is compared. When vLLM changes, a failure here lists precisely
 where the simulator must follow (every difference of a shape at once, not just the first).
@@ -15,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.real_engine import VllmReplica
-from router_sidecar.sim.process import SimProcess, spawn
+from router_sidecar.testbed.real_engine import VllmReplica
+from router_sidecar.testbed.sim.process import SimProcess, spawn
 
 TOOL = {
     "type": "function",

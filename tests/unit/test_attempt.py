@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.attempt import (
+from router_sidecar.core.attempt import (
     Attempt,
     AttemptFailed,
     AttemptState,
@@ -22,7 +22,7 @@ from router_sidecar.attempt import (
     PassThrough,
     Release,
 )
-from router_sidecar.sse import EventKind, SseScanner
+from router_sidecar.core.sse import EventKind, SseScanner
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 SSE = "text/event-stream; charset=utf-8"

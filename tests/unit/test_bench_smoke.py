@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench import sse_upstream, stream_overhead
-from router_sidecar.envoy_config import Endpoint, GatewaySpec, render
-from router_sidecar.policy import load_policy
-from router_sidecar.sse import EventKind, SseScanner
+from router_sidecar.core.policy import load_policy
+from router_sidecar.core.sse import EventKind, SseScanner
+from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, render
 
 
 def _rendered() -> str:

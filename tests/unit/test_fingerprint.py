@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.fingerprint import (
+from router_sidecar.core.fingerprint import (
     FIELDS,
     Fingerprint,
     FingerprintConflict,

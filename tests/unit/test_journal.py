@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.attempt import AttemptFailed, FailureReason
-from router_sidecar.journal import ClaimConflict, Journal
-from router_sidecar.openai_api import RouteKind, parse_request
-from router_sidecar.policy import DEFAULT_POLICY
-from router_sidecar.request import DownstreamLoss, LogicalRequest
-from router_sidecar.sse import DONE_EVENT
-from router_sidecar.store import Lease, MemoryStore, keys
+from router_sidecar.coordination.journal import ClaimConflict, Journal
+from router_sidecar.coordination.store import Lease, MemoryStore, keys
+from router_sidecar.core.attempt import AttemptFailed, FailureReason
+from router_sidecar.core.openai_api import RouteKind, parse_request
+from router_sidecar.core.policy import DEFAULT_POLICY
+from router_sidecar.core.request import DownstreamLoss, LogicalRequest
+from router_sidecar.core.sse import DONE_EVENT
 
 SSE = "text/event-stream"
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'

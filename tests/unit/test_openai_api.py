@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.openai_api import (
+from router_sidecar.core.openai_api import (
     ParsedRequest,
     RequestRejected,
     RouteKind,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router_sidecar.policy import (
+from router_sidecar.core.policy import (
     DEFAULT_POLICY,
     Budgets,
     Deadlines,

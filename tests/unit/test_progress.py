@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router_sidecar.progress import ProgressMonitor
-from router_sidecar.store import MemoryStore
+from router_sidecar.coordination.progress import ProgressMonitor
+from router_sidecar.coordination.store import MemoryStore
 
 
 async def _never() -> None:

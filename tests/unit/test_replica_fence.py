@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router_sidecar.replica_fence import (
+from router_sidecar.coordination.replica_fence import (
     MIN_CHECK_INTERVAL,
     REASON_DEADLINE,
     REASON_REVOKED,

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.attempt import AttemptFailed, FailureReason
-from router_sidecar.events import EventName
-from router_sidecar.openai_api import ParsedRequest, RouteKind, parse_request
-from router_sidecar.policy import DEFAULT_POLICY, Policy, policy_from_mapping
-from router_sidecar.request import (
+from router_sidecar.core.attempt import AttemptFailed, FailureReason
+from router_sidecar.core.events import EventName
+from router_sidecar.core.openai_api import ParsedRequest, RouteKind, parse_request
+from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
+from router_sidecar.core.request import (
     DownstreamLoss,
     FailRequest,
     Forward,
@@ -25,7 +25,7 @@ from router_sidecar.request import (
     Terminate,
     TriggerRetry,
 )
-from router_sidecar.sse import DONE_EVENT, terminal_error_frame
+from router_sidecar.core.sse import DONE_EVENT, terminal_error_frame
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 SSE = "text/event-stream; charset=utf-8"

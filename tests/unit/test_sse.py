@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router_sidecar.sse import DONE_EVENT, EventKind, SseEvent, SseScanner, terminal_error_frame
+from router_sidecar.core.sse import DONE_EVENT, EventKind, SseEvent, SseScanner, terminal_error_frame
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 TRANSCRIPTS = sorted(REFERENCE.glob("*.sse"))

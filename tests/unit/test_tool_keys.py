@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from router_sidecar.tool_keys import MAX_KEY_LENGTH, request_id_of, tool_idempotency_key
+from router_sidecar.core.tool_keys import MAX_KEY_LENGTH, request_id_of, tool_idempotency_key
 
 GATEWAY_CHARSET = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from router_sidecar.envoy_config import TEMPLATE_DIR, Endpoint, find_envoy, validate
-from router_sidecar.store import EtcdStore, RetentionLeases, StoreUnavailable, keys
-from router_sidecar.supervise import Child, http_ok
+from router_sidecar.coordination.store import EtcdStore, RetentionLeases, StoreUnavailable, keys
+from router_sidecar.runtime.envoy_config import TEMPLATE_DIR, Endpoint, find_envoy, validate
+from router_sidecar.runtime.supervise import Child, http_ok
 
 log = logging.getLogger(__name__)
 

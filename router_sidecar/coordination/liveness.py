@@ -15,7 +15,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 
-from router_sidecar.registry_store import Replica, ReplicaRegistry
+from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A test tool service: counts side-effect executions, with faults chosen per request.
 
-Run: ``python -m router_sidecar.toolsvc --listen 127.0.0.1:0 --log /tmp/tool.jsonl [--name pay]``. It
+Run: ``python -m router_sidecar.testbed.toolsvc --listen 127.0.0.1:0 --log /tmp/tool.jsonl [--name pay]``. It
 prints ``toolsvc NAME listening on HOST:PORT`` once bound and exits 0 on SIGTERM/SIGINT. HTTP/1.1 with
 keep-alive (``content-length`` or chunked request bodies).
 
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from router_sidecar.sim.log import Record, RequestLog, read_log
-from router_sidecar.sim.process import SimProcess, _read_ready_line
-from router_sidecar.sim.server import BadRequest, Connection, Request, parse_listen
-from router_sidecar.supervise import listen_socket, stop_on_signals
+from router_sidecar.runtime.supervise import listen_socket, stop_on_signals
+from router_sidecar.testbed.sim.log import Record, RequestLog, read_log
+from router_sidecar.testbed.sim.process import SimProcess, _read_ready_line
+from router_sidecar.testbed.sim.server import BadRequest, Connection, Request, parse_listen
 
 FAULT_HEADER = "x-tool-fault"
 RETRIABLE_HEADER = "x-tool-retriable"
@@ -282,7 +282,9 @@ async def serve(host: str, port: int, name: str | None, log_path: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m router_sidecar.toolsvc", description="test tool service")
+    p = argparse.ArgumentParser(
+        prog="python -m router_sidecar.testbed.toolsvc", description="test tool service"
+    )
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--log", required=True, help="JSONL execution log (appended)")
     p.add_argument("--name", default=None, help="service name (default: the listen address)")
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class ToolSvcProcess(SimProcess):
-    """A running tool service (stop/kill/url as :class:`~router_sidecar.sim.process.SimProcess`)."""
+    """A running tool service (stop/kill/url as :class:`~router_sidecar.testbed.sim.process.SimProcess`)."""
 
     def tool_url(self, tool: str = "payments", action: str = "charge") -> str:
         return f"{self.url}/tools/{tool}/{action}"
@@ -323,7 +325,15 @@ def spawn_toolsvc(
     env: dict[str, str] | None = None,
 ) -> ToolSvcProcess:
     """Start one tool service and wait (up to ``timeout``) for its ready line. Always stop it."""
-    cmd = [python, "-m", "router_sidecar.toolsvc", "--listen", f"{host}:{port}", "--log", os.fspath(log_path)]
+    cmd = [
+        python,
+        "-m",
+        "router_sidecar.testbed.toolsvc",
+        "--listen",
+        f"{host}:{port}",
+        "--log",
+        os.fspath(log_path),
+    ]
     if name is not None:
         cmd += ["--name", name]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from router_sidecar.sse import EventKind, SseScanner
+from router_sidecar.core.sse import EventKind, SseScanner
 
 
 class AttemptState(enum.Enum):

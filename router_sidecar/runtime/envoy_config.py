@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from router_sidecar.policy import Policy
+from router_sidecar.core.policy import Policy
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "envoy"
 
 

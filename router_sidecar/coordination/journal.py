@@ -17,8 +17,8 @@ import logging
 import time
 from typing import Any
 
-from router_sidecar.request import TERMINAL_PHASES, LogicalRequest, Phase
-from router_sidecar.store import RetentionLeases, Store, StoreUnavailable, keys
+from router_sidecar.coordination.store import RetentionLeases, Store, StoreUnavailable, keys
+from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from router_sidecar.supervise import _die_with_parent, free_port
+from router_sidecar.runtime.supervise import _die_with_parent, free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
 TINY_MODEL = REPO / ".tools" / "tiny-model"
 SERVED_MODEL_NAME = "tiny"

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from router_sidecar.envoy_config import Endpoint, GatewaySpec, find_envoy, render, validate
+from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
+from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.server import SidecarServer
-from router_sidecar.policy import Policy
-from router_sidecar.store import EtcdStore, StoreUnavailable
-from router_sidecar.supervise import Child, http_ok, stop_on_signals
+from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render, validate
+from router_sidecar.runtime.supervise import Child, http_ok, stop_on_signals
 
 log = logging.getLogger(__name__)
 

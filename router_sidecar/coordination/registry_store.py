@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router_sidecar.fingerprint import EngineInfo, Fingerprint, FingerprintError
-from router_sidecar.store import PREFIX, EtcdStore, Lease, StoreUnavailable
+from router_sidecar.coordination.store import PREFIX, EtcdStore, Lease, StoreUnavailable
+from router_sidecar.core.fingerprint import EngineInfo, Fingerprint, FingerprintError
 
 __all__ = [
     "REPLICAS_PREFIX",

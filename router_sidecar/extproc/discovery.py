@@ -22,9 +22,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2, struct_pb2
 
-from router_sidecar.fingerprint import describe_difference
-from router_sidecar.liveness import LivenessMonitor
-from router_sidecar.registry_store import Replica
+from router_sidecar.coordination.liveness import LivenessMonitor
+from router_sidecar.coordination.registry_store import Replica
+from router_sidecar.core.fingerprint import describe_difference
 
 log = logging.getLogger(__name__)
 

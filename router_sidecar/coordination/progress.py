@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router_sidecar.store import EtcdStore, Store, keys
+from router_sidecar.coordination.store import EtcdStore, Store, keys
 
 log = logging.getLogger(__name__)
 

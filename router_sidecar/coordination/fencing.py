@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from router_sidecar.store import Lease, Store, StoreUnavailable, keys
+from router_sidecar.coordination.store import Lease, Store, StoreUnavailable, keys
 
 log = logging.getLogger(__name__)
 

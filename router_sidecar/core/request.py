@@ -15,14 +15,14 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router_sidecar.attempt import AttemptFailed, is_event_stream
-from router_sidecar.events import Event, EventName
-from router_sidecar.openai_api import ParsedRequest
-from router_sidecar.policy import Policy
-from router_sidecar.sse import EventKind, SseScanner, terminal_error_frame
+from router_sidecar.core.attempt import AttemptFailed, is_event_stream
+from router_sidecar.core.events import Event, EventName
+from router_sidecar.core.openai_api import ParsedRequest
+from router_sidecar.core.policy import Policy
+from router_sidecar.core.sse import EventKind, SseScanner, terminal_error_frame
 
 if TYPE_CHECKING:
-    from router_sidecar.fencing import AttemptLease
+    from router_sidecar.coordination.fencing import AttemptLease
 
 
 class Phase(enum.StrEnum):

@@ -8,8 +8,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from router_sidecar.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
-from router_sidecar.policy import PolicyError, load_policy
+from router_sidecar.core.policy import PolicyError, load_policy
+from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
 
 
 def _endpoint(text: str) -> Endpoint:
@@ -93,11 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "sim":
-        from router_sidecar.sim.server import main as sim_main
+        from router_sidecar.testbed.sim.server import main as sim_main
 
         return sim_main(rest)
     if args.command == "demo":
-        from router_sidecar.demo import main as demo_main
+        from router_sidecar.testbed.demo import main as demo_main
 
         return demo_main(rest)
     if rest:
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "replica":
-        from router_sidecar.replica_agent import main_async as replica_main
+        from router_sidecar.runtime.replica_agent import main_async as replica_main
 
         return _run_async(replica_main(args))
     try:
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PolicyError, OSError) as exc:
         print(f"error: invalid policy {args.config}: {exc}", file=sys.stderr)
         return 2
-    from router_sidecar.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
+    from router_sidecar.runtime.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
 
     try:
         if args.command == "gateway":

@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router_sidecar.fingerprint import (
+from router_sidecar.coordination.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
+from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
+from router_sidecar.core.fingerprint import (
     EngineInfo,
     Fingerprint,
     FingerprintError,
@@ -36,8 +38,6 @@ from router_sidecar.fingerprint import (
     load_fingerprint_file,
     merge,
 )
-from router_sidecar.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
-from router_sidecar.store import EtcdStore, StoreUnavailable
 
 __all__ = ["AgentOptions", "EngineDown", "EngineProbe", "ReplicaAgent", "http_get", "main_async"]
 
