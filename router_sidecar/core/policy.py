@@ -3,17 +3,28 @@
 Unknown keys and impossible combinations are errors, not warnings: a typo in a safety policy
 must stop the sidecar instead of silently running with a default. Every key is optional;
 a missing key takes the value of :data:`DEFAULT_POLICY` (``policy.example.yaml`` shows them all).
+
+The frozen dataclass tree below *is* the schema: a field's type says what is accepted (``int``,
+``float``, ``bool``, ``Literal[...]``, ``frozenset[Literal[...]]``, ``str | None``, or a nested section),
+its :class:`KeySpec` metadata says the bounds and the doc. One generic walker reads a mapping against it;
+the only hand-written rules are the cross-field checks in :data:`_CHECKS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+import dataclasses
+import functools
+import math
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Final, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 __all__ = [
+    "ADMISSION_MARGIN_SECONDS",
     "DEFAULT_POLICY",
     "AfterFirstDelta",
     "BeforeFirstDelta",
@@ -21,24 +32,32 @@ __all__ = [
     "CostCap",
     "Deadlines",
     "JournalPolicy",
+    "KeySpec",
     "Leases",
     "Limits",
     "LivenessPolicy",
     "OnUpstreamFailure",
     "Policy",
     "PolicyError",
+    "PolicyKey",
+    "TenancyPolicy",
     "ToolsPolicy",
     "UncertainLiveness",
     "load_policy",
     "policy_from_mapping",
+    "policy_keys",
     "policy_to_mapping",
 ]
 
-RETRY = "retry_prefill_on_healthy_replica"
-FAIL = "fail_request"
-FENCED = "source_attempt_fenced"
-BUDGET = "retry_budget_available"
-RETRY_IF_NO_DELTA = "retry_only_if_no_delta_was_sent"
+RETRY: Final = "retry_prefill_on_healthy_replica"
+FAIL: Final = "fail_request"
+FENCED: Final = "source_attempt_fenced"
+BUDGET: Final = "retry_budget_available"
+RETRY_IF_NO_DELTA: Final = "retry_only_if_no_delta_was_sent"
+
+# Envoy's admission message timeout is this plus tools.in_progress_wait_seconds (the gateway renders it so):
+# it must end before deadlines.request_seconds does.
+ADMISSION_MARGIN_SECONDS: Final = 5
 
 BeforeAction = Literal["retry_prefill_on_healthy_replica", "fail_request"]
 Requirement = Literal["source_attempt_fenced", "retry_budget_available"]
@@ -54,92 +73,313 @@ class PolicyError(ValueError):
         self.path = path
 
 
+# --- the schema vocabulary --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """What a policy key means and which values it takes beyond its type (read by the walker)."""
+
+    doc: str
+    lo: float | None = None  # numbers only
+    hi: float | None = None
+    open_lo: bool = False  # True: the bound itself is refused
+    open_hi: bool = False
+    why: str = ""  # appended to the error of a refused value: why the allowed ones are the only ones
+    # When the key is absent its default follows the rest of the policy instead of contradicting it:
+    # called with the policy as written and the static default.
+    default_for: Callable[[Policy, Any], Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKey:
+    """One leaf of the schema, for documentation and generated tests (see :func:`policy_keys`)."""
+
+    path: str  # dotted, e.g. "limits.max_event_bytes"
+    type: Any  # the resolved annotation, e.g. int or Literal["a", "b"]
+    default: Any  # the static default (a key with spec.default_for may default differently)
+    spec: KeySpec
+
+
+_SPEC = "policy"
+
+
+def _key(doc: str, **constraints: Any) -> dict[str, KeySpec]:
+    """The metadata of a leaf key: ``field(default=..., metadata=_key("one-line doc", lo=1, ...))``.
+
+    A nested section is ``field(default_factory=Section)``; its class docstring is its doc.
+    """
+    return {_SPEC: KeySpec(doc, **constraints)}
+
+
+def _one_attempt_unless_retrying(policy: Policy, default: int) -> int:
+    return default if policy.retries_enabled else 1
+
+
+def _fail_unless_retrying(policy: Policy, default: str) -> str:
+    return default if policy.retries_enabled else FAIL
+
+
+# --- the schema -------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class BeforeFirstDelta:
-    require: frozenset[Requirement]
-    action: BeforeAction
-    max_attempts: int  # all attempts of one logical request, the first one included
+    """Nothing was delivered yet: a failure is invisible to the client."""
+
+    require: frozenset[Requirement] = field(
+        default=frozenset({FENCED, BUDGET}),
+        metadata=_key("conditions for a retry; source_attempt_fenced is mandatory for one"),
+    )
+    action: BeforeAction = field(
+        default=RETRY, metadata=_key("retry the prefill on a healthy replica, or fail the request")
+    )
+    max_attempts: int = field(
+        default=2,
+        metadata=_key(
+            "all attempts of one logical request, the first one included",
+            lo=1,
+            hi=10,
+            default_for=_one_attempt_unless_retrying,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class AfterFirstDelta:
-    action: Literal["terminate_stream"]
-    client_error: Literal["upstream_decode_interrupted"]
-    automatic_retry: Literal[False]
+    """The client holds part of one answer: no retry can be honest."""
+
+    action: Literal["terminate_stream"] = field(
+        default="terminate_stream",
+        metadata=_key(
+            "end the client stream with a terminal error frame",
+            why="After the first delta the decode state exists only in the failed replica; "
+            "nothing can continue it.",
+        ),
+    )
+    client_error: Literal["upstream_decode_interrupted"] = field(
+        default="upstream_decode_interrupted", metadata=_key("code of the terminal error frame")
+    )
+    automatic_retry: Literal[False] = field(
+        default=False,
+        metadata=_key(
+            "never retry after the first delta",
+            why="After the first delta the client already holds part of one answer; a retry would append "
+            "a different answer (a repeated fragment or two answers in one stream). "
+            "The client decides whether to ask again.",
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class UncertainLiveness:
-    action: Literal["fence_source_attempt"]
-    wait_for: FenceWait
-    then: UncertainThen
+    """The path is lost but the replica may be alive (partition, frozen process)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Budgets:
-    retry_budget_percent: float  # Envoy retry_budget: retries at most this % of active requests
-    min_retry_concurrency: int  # Envoy retry_budget floor
-    max_concurrent_retries: int  # Envoy circuit breaker max_retries
-
-
-@dataclass(frozen=True, slots=True)
-class CostCap:
-    max_prompt_tokens: int  # above this estimate a request is served but never retried
-
-
-@dataclass(frozen=True, slots=True)
-class Deadlines:
-    request_seconds: float  # whole logical request: all attempts and the whole stream
-    connect_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Leases:
-    attempt_ttl_seconds: int  # etcd lease TTLs are whole seconds
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_request_body_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class JournalPolicy:
-    retention_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class LivenessPolicy:
-    # The replica side reported bytes that have not arrived here for this long: the path is lost.
-    progress_gap_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class ToolsPolicy:
-    retention_seconds: float  # how long a tool result stays replayable under its idempotency key
-    max_stored_response_bytes: int  # larger results are not kept: later calls get an error, not a re-run
-    call_timeout_seconds: float  # route timeout of a tool call
-    in_progress_wait_seconds: float  # a duplicate of a call in progress waits this long, then gets 409
+    action: Literal["fence_source_attempt"] = field(
+        default="fence_source_attempt",
+        metadata=_key(
+            "revoke the attempt's lease first",
+            why="A replica that may be alive must be fenced before anything else happens.",
+        ),
+    )
+    wait_for: FenceWait = field(
+        default="cancel_ack_or_lease_expiry",
+        metadata=_key(
+            "what ends the fence: the replica-side cancel ack or the lease's expiry, or always the expiry",
+            why="A partitioned replica may never acknowledge a cancel, so lease expiry must end the wait.",
+        ),
+    )
+    then: UncertainThen = field(
+        default=RETRY_IF_NO_DELTA,
+        metadata=_key("after the fence: retry if nothing was delivered", default_for=_fail_unless_retrying),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class OnUpstreamFailure:
-    before_first_delta: BeforeFirstDelta
-    after_first_delta: AfterFirstDelta
-    uncertain_source_liveness: UncertainLiveness
+    """What a failed attempt leads to, by what the client already has."""
+
+    before_first_delta: BeforeFirstDelta = field(default_factory=BeforeFirstDelta)
+    after_first_delta: AfterFirstDelta = field(default_factory=AfterFirstDelta)
+    uncertain_source_liveness: UncertainLiveness = field(default_factory=UncertainLiveness)
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Retry budgets, rendered into Envoy's cluster."""
+
+    retry_budget_percent: float = field(
+        default=20.0,
+        metadata=_key("Envoy retry_budget: retries at most this % of active requests", lo=0, hi=100),
+    )
+    min_retry_concurrency: int = field(
+        default=3, metadata=_key("Envoy retry_budget floor: this many retries are always allowed", lo=0)
+    )
+    max_concurrent_retries: int = field(default=64, metadata=_key("Envoy circuit breaker max_retries", lo=1))
+
+
+@dataclass(frozen=True, slots=True)
+class CostCap:
+    """The re-prefill cost cap."""
+
+    max_prompt_tokens: int = field(
+        default=32768,
+        metadata=_key("estimated prompt tokens above which a request is served but never retried", lo=1),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Hard deadlines (no soft latency failover: a slow replica is not a failed one)."""
+
+    request_seconds: float = field(
+        default=300.0,
+        metadata=_key(
+            "whole logical request: all attempts and the whole stream; longer than the admission timeout",
+            lo=ADMISSION_MARGIN_SECONDS,
+            open_lo=True,
+        ),
+    )
+    connect_seconds: float = field(default=1.0, metadata=_key("TCP connect to a replica", lo=0, open_lo=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Leases:
+    """etcd leases."""
+
+    attempt_ttl_seconds: int = field(
+        default=10, metadata=_key("etcd lease of an attempt (TTLs are whole seconds)", lo=1)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Sizes the sidecar accepts or holds."""
+
+    max_request_body_bytes: int = field(
+        default=4 * 1024 * 1024,
+        metadata=_key("larger request bodies are answered 413 before any attempt", lo=1),
+    )
+    # Envoy 1.40 crashes holding ~1 MiB in the upstream filter (DESIGN.md §5.13): the bound stays well below.
+    max_held_response_bytes: int = field(
+        default=256 * 1024,
+        metadata=_key(
+            "bytes of one attempt's response held before its first content delta; beyond it a streaming "
+            "attempt fails (and may be retried) and a non-stream answer is passed through unheld",
+            lo=4096,
+            hi=512 * 1024,
+        ),
+    )
+    max_event_bytes: int = field(
+        default=1024 * 1024,
+        metadata=_key(
+            "largest SSE event accepted from a replica; a larger one fails the attempt before the first "
+            "delta, or ends the stream with the terminal frame after it",
+            lo=4096,
+            hi=16 * 1024 * 1024,
+        ),
+    )
+    max_json_depth: int = field(
+        default=64, metadata=_key("request bodies nested deeper are answered 400", lo=8, hi=512)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JournalPolicy:
+    """The request journal (queryable by request id)."""
+
+    retention_seconds: float = field(
+        default=86400.0, metadata=_key("how long request records stay queryable", lo=0, open_lo=True)
+    )
+    # etcd refuses requests over 1.5 MiB: a record must stay far below that whatever the stream did.
+    max_events: int = field(
+        default=256,
+        metadata=_key(
+            "trace events kept per request record (the first and the last ones; it counts the dropped ones)",
+            lo=32,
+            hi=4096,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolsPolicy:
+    """Tool services behind the gateway."""
+
+    retention_seconds: float = field(
+        default=86400.0,
+        metadata=_key(
+            "a tool result stays replayable under its idempotency key this long", lo=0, open_lo=True
+        ),
+    )
+    max_stored_response_bytes: int = field(
+        default=1024 * 1024,
+        metadata=_key(
+            "larger results are not kept: later calls with the key get an error, not a re-run", lo=0
+        ),
+    )
+    call_timeout_seconds: float = field(
+        default=30.0, metadata=_key("route timeout of one tool call", lo=0, open_lo=True)
+    )
+    in_progress_wait_seconds: float = field(
+        default=0.0,
+        metadata=_key("a duplicate of a call still running waits up to this, then gets 409", lo=0),
+    )
+    max_calls_per_request: int = field(
+        default=64,
+        metadata=_key(
+            "tool calls listed in one request's journal record (more are counted, not listed)", lo=1, hi=1024
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessPolicy:
+    """Path liveness, from the replica side's progress reports."""
+
+    progress_gap_seconds: float = field(
+        default=3.0,
+        metadata=_key(
+            "the replica side reported bytes that have not arrived for this long: the path is lost",
+            lo=0,
+            open_lo=True,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TenancyPolicy:
+    """Who a caller is, on tool-call and journal look-up routes."""
+
+    refuse_anonymous: bool = field(
+        default=True,
+        metadata=_key(
+            "refuse callers without a credential on those routes (they would all share one tenant)"
+        ),
+    )
+    secret_file: str | None = field(
+        default=None,
+        metadata=_key(
+            "file holding the per-deployment secret that salts credential digests; "
+            "null: $ROUTER_SIDECAR_TENANT_SECRET, else a secret kept in etcd"
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    on_upstream_failure: OnUpstreamFailure
-    budgets: Budgets
-    reprefill_cost_cap: CostCap
-    deadlines: Deadlines
-    leases: Leases
-    limits: Limits
-    journal: JournalPolicy
-    tools: ToolsPolicy
-    liveness: LivenessPolicy
+    """The whole policy (DESIGN.md §7)."""
+
+    on_upstream_failure: OnUpstreamFailure = field(default_factory=OnUpstreamFailure)
+    budgets: Budgets = field(default_factory=Budgets)
+    reprefill_cost_cap: CostCap = field(default_factory=CostCap)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    leases: Leases = field(default_factory=Leases)
+    limits: Limits = field(default_factory=Limits)
+    journal: JournalPolicy = field(default_factory=JournalPolicy)
+    tools: ToolsPolicy = field(default_factory=ToolsPolicy)
+    liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
+    tenancy: TenancyPolicy = field(default_factory=TenancyPolicy)
 
     # Shortcuts: policy.before_first_delta is policy.on_upstream_failure.before_first_delta.
     @property
@@ -159,35 +399,170 @@ class Policy:
         return self.on_upstream_failure.before_first_delta.action == RETRY
 
 
-DEFAULT_POLICY = Policy(
-    on_upstream_failure=OnUpstreamFailure(
-        before_first_delta=BeforeFirstDelta(frozenset({FENCED, BUDGET}), RETRY, 2),
-        after_first_delta=AfterFirstDelta("terminate_stream", "upstream_decode_interrupted", False),
-        uncertain_source_liveness=UncertainLiveness(
-            "fence_source_attempt", "cancel_ack_or_lease_expiry", RETRY_IF_NO_DELTA
-        ),
-    ),
-    budgets=Budgets(retry_budget_percent=20, min_retry_concurrency=3, max_concurrent_retries=64),
-    reprefill_cost_cap=CostCap(max_prompt_tokens=32768),
-    deadlines=Deadlines(request_seconds=300, connect_seconds=1),
-    leases=Leases(attempt_ttl_seconds=10),
-    limits=Limits(max_request_body_bytes=4 * 1024 * 1024),
-    journal=JournalPolicy(retention_seconds=86400),
-    tools=ToolsPolicy(
-        retention_seconds=86400,
-        max_stored_response_bytes=1024 * 1024,
-        call_timeout_seconds=30,
-        in_progress_wait_seconds=0,
-    ),
-    liveness=LivenessPolicy(progress_gap_seconds=3),
+DEFAULT_POLICY = Policy()
+
+
+# --- impossible combinations ------------------------------------------------------------------
+
+_BFD = "on_upstream_failure.before_first_delta"
+
+
+def _retry_needs_a_second_attempt(p: Policy) -> None:
+    if p.retries_enabled and p.before_first_delta.max_attempts < 2:
+        raise PolicyError(
+            f"{_BFD}.max_attempts",
+            f"is {p.before_first_delta.max_attempts} with action {RETRY}: that allows no retry; "
+            f"use action: {FAIL}, or max_attempts >= 2",
+        )
+
+
+def _fail_request_makes_one_attempt(p: Policy) -> None:
+    n = p.before_first_delta.max_attempts
+    if not p.retries_enabled and n != 1:
+        raise PolicyError(
+            f"{_BFD}.max_attempts", f"is {n} with action {FAIL}: {FAIL} makes one attempt; set it to 1"
+        )
+
+
+def _retry_requires_fencing(p: Policy) -> None:
+    if p.retries_enabled and FENCED not in p.before_first_delta.require:
+        raise PolicyError(
+            f"{_BFD}.require",
+            f"must include {FENCED} when action is {RETRY}: a retry may start only when the previous "
+            "attempt can no longer publish, or the client may get content from two attempts",
+        )
+
+
+def _then_follows_action(p: Policy) -> None:
+    if p.uncertain_source_liveness.then == RETRY_IF_NO_DELTA and not p.retries_enabled:
+        raise PolicyError(
+            "on_upstream_failure.uncertain_source_liveness.then",
+            f"is {RETRY_IF_NO_DELTA} but before_first_delta.action is {FAIL}; set then: {FAIL}",
+        )
+
+
+def _budget_allows_a_retry(p: Policy) -> None:
+    b = p.budgets
+    if (
+        p.retries_enabled
+        and BUDGET in p.before_first_delta.require
+        and b.retry_budget_percent == 0
+        and b.min_retry_concurrency == 0
+    ):
+        raise PolicyError(
+            "budgets",
+            f"retry_budget_percent 0 and min_retry_concurrency 0 allow no retry, but action is {RETRY} "
+            f"and require has {BUDGET}; raise one of them or use action: {FAIL}",
+        )
+
+
+def _deadline_covers_connect(p: Policy) -> None:
+    d = p.deadlines
+    if d.request_seconds <= d.connect_seconds:
+        raise PolicyError(
+            "deadlines.request_seconds",
+            f"({d.request_seconds:g}) must be greater than deadlines.connect_seconds "
+            f"({d.connect_seconds:g}): the request deadline covers every connect",
+        )
+
+
+def _lease_fits_in_deadline(p: Policy) -> None:
+    ttl, deadline = p.leases.attempt_ttl_seconds, p.deadlines.request_seconds
+    if p.retries_enabled and ttl >= deadline:
+        raise PolicyError(
+            "leases.attempt_ttl_seconds",
+            f"({ttl}) must be less than deadlines.request_seconds ({deadline:g}): "
+            "fencing may wait a whole TTL before a retry can start",
+        )
+
+
+def _tool_wait_fits_in_admission_timeout(p: Policy) -> None:
+    wait, deadline = p.tools.in_progress_wait_seconds, p.deadlines.request_seconds
+    if wait >= deadline - ADMISSION_MARGIN_SECONDS:
+        raise PolicyError(
+            "tools.in_progress_wait_seconds",
+            f"({wait:g}) must be less than deadlines.request_seconds minus {ADMISSION_MARGIN_SECONDS} "
+            f"({deadline - ADMISSION_MARGIN_SECONDS:g}): the wait is spent inside Envoy's admission "
+            f"message timeout ({ADMISSION_MARGIN_SECONDS} s plus the wait), which must end before the "
+            "request deadline",
+        )
+
+
+# In this order: the first broken rule is reported.
+_CHECKS: tuple[Callable[[Policy], None], ...] = (
+    _retry_needs_a_second_attempt,
+    _fail_request_makes_one_attempt,
+    _retry_requires_fencing,
+    _then_follows_action,
+    _budget_allows_a_retry,
+    _deadline_covers_connect,
+    _lease_fits_in_deadline,
+    _tool_wait_fits_in_admission_timeout,
 )
 
 
-# --- validation helpers -----------------------------------------------------------------------
+# --- the walker -------------------------------------------------------------------------------
+
+# (dotted path, default_for, static default) of absent keys whose default follows the rest.
+_Derived = tuple[str, Callable[[Policy, Any], Any], Any]
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def policy_from_mapping(m: Any) -> Policy:
+    """Build and validate a :class:`Policy` from parsed YAML/JSON (None: all defaults)."""
+    derived: list[_Derived] = []
+    policy: Policy = _section(Policy, m, "", derived)
+    # Every derived default is computed from the policy as written, then all are applied.
+    for path, value in [(path, rule(policy, default)) for path, rule, default in derived]:
+        policy = _replace_at(policy, path.split("."), value)
+    for check in _CHECKS:
+        check(policy)
+    return policy
+
+
+def policy_to_mapping(policy: Policy) -> dict[str, Any]:
+    """The effective policy in the YAML shape (for logs and ``--print-policy``-style output)."""
+    return _to_mapping(policy)
+
+
+def _to_mapping(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(section):
+        value, kind = getattr(section, f.name), _hints(type(section))[f.name]
+        if _is_section(kind):
+            out[f.name] = _to_mapping(value)
+        elif get_origin(kind) is frozenset:
+            out[f.name] = [item for item in get_args(get_args(kind)[0]) if item in value]  # schema order
+        else:
+            out[f.name] = value
+    return out
+
+
+def policy_keys() -> tuple[PolicyKey, ...]:
+    """Every leaf key of the schema, depth first in declaration order."""
+    return tuple(_keys(Policy, ""))
+
+
+def _keys(cls: type[Any], path: str) -> Iterator[PolicyKey]:
+    for f in fields(cls):
+        kind, where = _hints(cls)[f.name], _join(path, f.name)
+        if _is_section(kind):
+            yield from _keys(kind, where)
+        else:
+            yield PolicyKey(where, kind, f.default, _spec(f, where))
+
+
+def _section(cls: type[Any], raw: Any, path: str, derived: list[_Derived]) -> Any:
+    given = _mapping(raw, path, tuple(f.name for f in fields(cls)))
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        kind, where = _hints(cls)[f.name], _join(path, f.name)
+        if _is_section(kind):
+            values[f.name] = _section(kind, given.get(f.name), where, derived)
+        elif f.name in given:
+            values[f.name] = _leaf(kind, given[f.name], where, _spec(f, where))
+        elif (rule := _spec(f, where).default_for) is not None:
+            derived.append((where, rule, f.default))
+    return cls(**values)
 
 
 def _mapping(v: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
@@ -195,330 +570,143 @@ def _mapping(v: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
         # "budgets:" with nothing under it: YAML null. Treated as "all defaults", like a missing key.
         return {}
     if not isinstance(v, Mapping):
-        raise PolicyError(path, f"must be a mapping with keys {', '.join(allowed)}; got {_type(v)}")
+        raise PolicyError(path, f"must be a mapping with keys {', '.join(allowed)}; got {_show(v)}")
     for key in v:
         if key not in allowed:
             raise PolicyError(_join(path, str(key)), f"unknown key; allowed here: {', '.join(allowed)}")
     return v
 
 
-def _type(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
+def _leaf(kind: Any, v: Any, where: str, spec: KeySpec) -> Any:
+    if get_origin(kind) is frozenset:
+        return _literal_set(get_args(get_args(kind)[0]), v, where)
+    if not _accepts(kind, v):
+        why = f". {spec.why}" if spec.why else ""
+        raise PolicyError(where, f"must be {_describe(kind)}; got {_show(v)}{why}")
+    if _out_of_bounds(v, spec):
+        raise PolicyError(where, f"must be {_bounds(spec)}; got {_show(v)}")
+    return float(v) if kind is float else v  # an int is a fine number; keep one type per field
 
 
-def _int(m: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int | None = None) -> int:
-    if key not in m:
-        return default
-    v = m[key]
-    where = _join(path, key)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise PolicyError(where, f"must be an integer; got {_type(v)} {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        raise PolicyError(
-            where,
-            f"must be between {lo} and {hi}; got {v}" if hi is not None else f"must be >= {lo}; got {v}",
-        )
-    return v
-
-
-def _number(
-    m: Mapping[str, Any],
-    key: str,
-    path: str,
-    default: float,
-    *,
-    lo: float,
-    hi: float | None = None,
-    open_lo: bool,
-) -> float:
-    if key not in m:
-        return default
-    v = m[key]
-    where = _join(path, key)
-    if not isinstance(v, int | float) or isinstance(v, bool) or v != v or v in (float("inf"), float("-inf")):
-        raise PolicyError(where, f"must be a finite number; got {_type(v)} {v!r}")
-    if (v <= lo if open_lo else v < lo) or (hi is not None and v > hi):
-        if hi is not None:
-            raise PolicyError(where, f"must be between {lo:g} and {hi:g}; got {v}")
-        raise PolicyError(where, f"must be {'>' if open_lo else '>='} {lo:g}; got {v}")
-    return v
-
-
-def _choice(
-    m: Mapping[str, Any], key: str, path: str, default: str, allowed: tuple[str, ...], why: str = ""
-) -> str:
-    if key not in m:
-        return default
-    v = m[key]
-    if v not in allowed or not isinstance(v, str):
-        msg = f"must be one of: {', '.join(allowed)}; got {v!r}"
-        raise PolicyError(_join(path, key), msg + (f" ({why})" if why else ""))
-    return v
-
-
-# --- the policy -------------------------------------------------------------------------------
-
-
-def policy_from_mapping(m: Any) -> Policy:
-    """Build and validate a :class:`Policy` from parsed YAML/JSON (None: all defaults)."""
-    d = DEFAULT_POLICY
-    top = _mapping(
-        m,
-        "",
-        (
-            "on_upstream_failure",
-            "budgets",
-            "reprefill_cost_cap",
-            "deadlines",
-            "leases",
-            "limits",
-            "journal",
-            "tools",
-            "liveness",
-        ),
-    )
-    ouf = _mapping(
-        top.get("on_upstream_failure"),
-        "on_upstream_failure",
-        ("before_first_delta", "after_first_delta", "uncertain_source_liveness"),
-    )
-
-    p = "on_upstream_failure.before_first_delta"
-    bfd = _mapping(ouf.get("before_first_delta"), p, ("require", "action", "max_attempts"))
-    action = _choice(bfd, "action", p, d.before_first_delta.action, (RETRY, FAIL))
-    retry = action == RETRY
-    # With fail_request the defaults follow the action instead of contradicting it.
-    max_attempts = _int(bfd, "max_attempts", p, d.before_first_delta.max_attempts if retry else 1, 1, 10)
-    if retry and max_attempts < 2:
-        raise PolicyError(
-            f"{p}.max_attempts",
-            f"is 1 with action {RETRY}: that allows no retry; use action: {FAIL}, or max_attempts >= 2",
-        )
-    if not retry and max_attempts != 1:
-        raise PolicyError(
-            f"{p}.max_attempts",
-            f"is {max_attempts} with action {FAIL}: {FAIL} makes one attempt; set it to 1",
-        )
-    require = _require(bfd, p, d.before_first_delta.require)
-    if retry and FENCED not in require:
-        raise PolicyError(
-            f"{p}.require",
-            f"must include {FENCED} when action is {RETRY}: a retry may start only when the previous "
-            "attempt can no longer publish, or the client may get content from two attempts",
-        )
-
-    p = "on_upstream_failure.after_first_delta"
-    afd = _mapping(ouf.get("after_first_delta"), p, ("action", "client_error", "automatic_retry"))
-    after_action = _choice(
-        afd,
-        "action",
-        p,
-        "terminate_stream",
-        ("terminate_stream",),
-        "after the first delta the decode state exists only in the failed replica; nothing can continue it",
-    )
-    client_error = _choice(
-        afd, "client_error", p, "upstream_decode_interrupted", ("upstream_decode_interrupted",)
-    )
-    if "automatic_retry" in afd and afd["automatic_retry"] is not False:
-        raise PolicyError(
-            f"{p}.automatic_retry",
-            f"must be false; got {afd['automatic_retry']!r}. After the first delta the client already holds "
-            "part of one answer; a retry would append a different answer (a repeated fragment or two answers "
-            "in one stream). The client decides whether to ask again.",
-        )
-
-    p = "on_upstream_failure.uncertain_source_liveness"
-    usl = _mapping(ouf.get("uncertain_source_liveness"), p, ("action", "wait_for", "then"))
-    usl_action = _choice(
-        usl,
-        "action",
-        p,
-        "fence_source_attempt",
-        ("fence_source_attempt",),
-        "a replica that may be alive must be fenced before anything else happens",
-    )
-    wait_for = _choice(
-        usl,
-        "wait_for",
-        p,
-        d.uncertain_source_liveness.wait_for,
-        ("cancel_ack_or_lease_expiry", "lease_expiry"),
-        "a partitioned replica may never acknowledge a cancel, so lease expiry must end the wait",
-    )
-    then = _choice(usl, "then", p, RETRY_IF_NO_DELTA if retry else FAIL, (RETRY_IF_NO_DELTA, FAIL))
-    if then == RETRY_IF_NO_DELTA and not retry:
-        raise PolicyError(
-            f"{p}.then",
-            f"is {RETRY_IF_NO_DELTA} but before_first_delta.action is {FAIL}; set then: {FAIL}",
-        )
-
-    p = "budgets"
-    b = _mapping(top.get(p), p, ("retry_budget_percent", "min_retry_concurrency", "max_concurrent_retries"))
-    budgets = Budgets(
-        retry_budget_percent=_number(
-            b, "retry_budget_percent", p, d.budgets.retry_budget_percent, lo=0, hi=100, open_lo=False
-        ),
-        min_retry_concurrency=_int(b, "min_retry_concurrency", p, d.budgets.min_retry_concurrency, 0),
-        max_concurrent_retries=_int(b, "max_concurrent_retries", p, d.budgets.max_concurrent_retries, 1),
-    )
-    if (
-        retry
-        and BUDGET in require
-        and budgets.retry_budget_percent == 0
-        and budgets.min_retry_concurrency == 0
-    ):
-        raise PolicyError(
-            p,
-            f"retry_budget_percent 0 and min_retry_concurrency 0 allow no retry, but action is {RETRY} "
-            f"and require has {BUDGET}; raise one of them or use action: {FAIL}",
-        )
-
-    p = "reprefill_cost_cap"
-    cc = _mapping(top.get(p), p, ("max_prompt_tokens",))
-    cost_cap = CostCap(_int(cc, "max_prompt_tokens", p, d.reprefill_cost_cap.max_prompt_tokens, 1))
-
-    p = "deadlines"
-    dl = _mapping(top.get(p), p, ("request_seconds", "connect_seconds"))
-    deadlines = Deadlines(
-        request_seconds=_number(dl, "request_seconds", p, d.deadlines.request_seconds, lo=0, open_lo=True),
-        connect_seconds=_number(dl, "connect_seconds", p, d.deadlines.connect_seconds, lo=0, open_lo=True),
-    )
-    if deadlines.request_seconds <= deadlines.connect_seconds:
-        raise PolicyError(
-            "deadlines.request_seconds",
-            f"({deadlines.request_seconds:g}) must be greater than deadlines.connect_seconds "
-            f"({deadlines.connect_seconds:g}): the request deadline covers every connect",
-        )
-
-    p = "leases"
-    ls = _mapping(top.get(p), p, ("attempt_ttl_seconds",))
-    leases = Leases(_int(ls, "attempt_ttl_seconds", p, d.leases.attempt_ttl_seconds, 1))
-    if retry and leases.attempt_ttl_seconds >= deadlines.request_seconds:
-        raise PolicyError(
-            "leases.attempt_ttl_seconds",
-            f"({leases.attempt_ttl_seconds}) must be less than deadlines.request_seconds "
-            f"({deadlines.request_seconds:g}): fencing may wait a whole TTL before a retry can start",
-        )
-
-    p = "limits"
-    lm = _mapping(top.get(p), p, ("max_request_body_bytes",))
-    limits = Limits(_int(lm, "max_request_body_bytes", p, d.limits.max_request_body_bytes, 1))
-
-    p = "journal"
-    jn = _mapping(top.get(p), p, ("retention_seconds",))
-    journal = JournalPolicy(
-        _number(jn, "retention_seconds", p, d.journal.retention_seconds, lo=0, open_lo=True)
-    )
-
-    p = "tools"
-    tl = _mapping(
-        top.get(p),
-        p,
-        (
-            "retention_seconds",
-            "max_stored_response_bytes",
-            "call_timeout_seconds",
-            "in_progress_wait_seconds",
-        ),
-    )
-    dt = d.tools
-    tools = ToolsPolicy(
-        retention_seconds=_number(tl, "retention_seconds", p, dt.retention_seconds, lo=0, open_lo=True),
-        max_stored_response_bytes=_int(tl, "max_stored_response_bytes", p, dt.max_stored_response_bytes, 0),
-        call_timeout_seconds=_number(
-            tl, "call_timeout_seconds", p, dt.call_timeout_seconds, lo=0, open_lo=True
-        ),
-        in_progress_wait_seconds=_number(
-            tl, "in_progress_wait_seconds", p, dt.in_progress_wait_seconds, lo=0, open_lo=False
-        ),
-    )
-
-    p = "liveness"
-    lv = _mapping(top.get(p), p, ("progress_gap_seconds",))
-    liveness = LivenessPolicy(
-        _number(lv, "progress_gap_seconds", p, d.liveness.progress_gap_seconds, lo=0, open_lo=True)
-    )
-
-    return Policy(
-        on_upstream_failure=OnUpstreamFailure(
-            before_first_delta=BeforeFirstDelta(require, cast(BeforeAction, action), max_attempts),
-            after_first_delta=AfterFirstDelta(
-                cast(Literal["terminate_stream"], after_action),
-                cast(Literal["upstream_decode_interrupted"], client_error),
-                False,
-            ),
-            uncertain_source_liveness=UncertainLiveness(
-                cast(Literal["fence_source_attempt"], usl_action),
-                cast(FenceWait, wait_for),
-                cast(UncertainThen, then),
-            ),
-        ),
-        budgets=budgets,
-        reprefill_cost_cap=cost_cap,
-        deadlines=deadlines,
-        leases=leases,
-        limits=limits,
-        journal=journal,
-        tools=tools,
-        liveness=liveness,
-    )
-
-
-def _require(m: Mapping[str, Any], path: str, default: frozenset[Requirement]) -> frozenset[Requirement]:
-    if "require" not in m:
-        return default
-    v = m["require"]
-    where = _join(path, "require")
-    allowed = (FENCED, BUDGET)
+def _literal_set(allowed: tuple[Any, ...], v: Any, where: str) -> frozenset[Any]:
     if not isinstance(v, list):
-        raise PolicyError(where, f"must be a list, a subset of [{', '.join(allowed)}]; got {_type(v)}")
+        raise PolicyError(where, f"must be a list, a subset of [{', '.join(allowed)}]; got {_show(v)}")
     for i, item in enumerate(v):
-        if item not in allowed or not isinstance(item, str):
-            raise PolicyError(f"{where}[{i}]", f"must be one of: {', '.join(allowed)}; got {item!r}")
+        if not _is_one_of(item, allowed):
+            raise PolicyError(f"{where}[{i}]", f"must be one of: {', '.join(allowed)}; got {_show(item)}")
     if len(set(v)) != len(v):
-        raise PolicyError(where, f"lists a condition twice: {v!r}")
-    return cast(frozenset[Requirement], frozenset(v))
+        raise PolicyError(where, f"lists a value twice: {v!r}")
+    return frozenset(v)
 
 
-def policy_to_mapping(policy: Policy) -> dict[str, Any]:
-    """The effective policy in the YAML shape (for logs and ``--print-policy``-style output)."""
-    b, a, u = policy.before_first_delta, policy.after_first_delta, policy.uncertain_source_liveness
-    return {
-        "on_upstream_failure": {
-            "before_first_delta": {
-                "require": [r for r in (FENCED, BUDGET) if r in b.require],
-                "action": b.action,
-                "max_attempts": b.max_attempts,
-            },
-            "after_first_delta": {
-                "action": a.action,
-                "client_error": a.client_error,
-                "automatic_retry": a.automatic_retry,
-            },
-            "uncertain_source_liveness": {"action": u.action, "wait_for": u.wait_for, "then": u.then},
-        },
-        "budgets": {
-            "retry_budget_percent": policy.budgets.retry_budget_percent,
-            "min_retry_concurrency": policy.budgets.min_retry_concurrency,
-            "max_concurrent_retries": policy.budgets.max_concurrent_retries,
-        },
-        "reprefill_cost_cap": {"max_prompt_tokens": policy.reprefill_cost_cap.max_prompt_tokens},
-        "deadlines": {
-            "request_seconds": policy.deadlines.request_seconds,
-            "connect_seconds": policy.deadlines.connect_seconds,
-        },
-        "leases": {"attempt_ttl_seconds": policy.leases.attempt_ttl_seconds},
-        "limits": {"max_request_body_bytes": policy.limits.max_request_body_bytes},
-        "journal": {"retention_seconds": policy.journal.retention_seconds},
-        "tools": {
-            "retention_seconds": policy.tools.retention_seconds,
-            "max_stored_response_bytes": policy.tools.max_stored_response_bytes,
-            "call_timeout_seconds": policy.tools.call_timeout_seconds,
-            "in_progress_wait_seconds": policy.tools.in_progress_wait_seconds,
-        },
-        "liveness": {"progress_gap_seconds": policy.liveness.progress_gap_seconds},
+def _accepts(kind: Any, v: Any) -> bool:
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):
+        return any(_accepts(option, v) for option in get_args(kind))
+    if origin is Literal:
+        return _is_one_of(v, get_args(kind))
+    if kind is type(None):
+        return v is None
+    if kind is bool:
+        return type(v) is bool  # YAML's yes/true are booleans already; the string "true" is not
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        return math.isfinite(v) if isinstance(v, float) else abs(v) <= sys.float_info.max
+    if kind is str:
+        return isinstance(v, str) and v.strip() != ""
+    raise TypeError(f"policy schema: unsupported type {kind!r}")
+
+
+def _describe(kind: Any) -> str:
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(option) for option in get_args(kind))
+    if origin is Literal:
+        allowed = [_yaml(a) for a in get_args(kind)]
+        return allowed[0] if len(allowed) == 1 else f"one of: {', '.join(allowed)}"
+    names = {
+        type(None): "null",
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a non-empty string",
     }
+    if kind in names:
+        return names[kind]
+    raise TypeError(f"policy schema: unsupported type {kind!r}")
+
+
+def _is_one_of(v: Any, allowed: Sequence[Any]) -> bool:
+    # Compare types too: 0 == False and 1 == True in Python, not in a policy.
+    return any(type(v) is type(a) and v == a for a in allowed)
+
+
+def _out_of_bounds(v: Any, spec: KeySpec) -> bool:
+    below = spec.lo is not None and (v <= spec.lo if spec.open_lo else v < spec.lo)
+    above = spec.hi is not None and (v >= spec.hi if spec.open_hi else v > spec.hi)
+    return below or above
+
+
+def _bounds(spec: KeySpec) -> str:
+    if spec.lo is not None and spec.hi is not None and not (spec.open_lo or spec.open_hi):
+        return f"between {_num(spec.lo)} and {_num(spec.hi)}"
+    parts = []
+    if spec.lo is not None:
+        parts.append(f"{'>' if spec.open_lo else '>='} {_num(spec.lo)}")
+    if spec.hi is not None:
+        parts.append(f"{'<' if spec.open_hi else '<='} {_num(spec.hi)}")
+    return " and ".join(parts)
+
+
+def _spec(f: dataclasses.Field[Any], where: str) -> KeySpec:
+    spec = f.metadata.get(_SPEC)
+    if not isinstance(spec, KeySpec):
+        raise TypeError(
+            f"policy schema: {where} has no KeySpec; declare it with field(default=..., metadata=_key(...))"
+        )
+    return spec
+
+
+@functools.cache
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _is_section(kind: Any) -> bool:
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
+
+
+def _replace_at(obj: Any, keys: Sequence[str], value: Any) -> Any:
+    head, *rest = keys
+    return dataclasses.replace(obj, **{head: _replace_at(getattr(obj, head), rest, value) if rest else value})
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _yaml(v: Any) -> str:
+    """A value as an operator writes it in YAML."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else str(v)
+
+
+def _show(v: Any) -> str:
+    """A refused value with its kind, as the operator wrote it."""
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
+    shown = _yaml(v) if isinstance(v, bool) or v is None else repr(v)
+    return shown if v is None else f"{kinds.get(type(v), type(v).__name__)} {shown}"
+
+
+# --- loading ----------------------------------------------------------------------------------
 
 
 class _StrictLoader(yaml.SafeLoader):
