@@ -8,7 +8,11 @@ Why the byte scans are exact: in JSON text every ``"`` inside a string is escape
 so a ``"key"`` that is not preceded by a backslash and is followed by ``:`` is an object key.
 The scans assume keys are written literally (no ``\\u`` escapes inside key names), which every
 engine and JSON encoder does. Events whose shape the scans cannot decide (data that is not a
-single JSON object, or an ``"error"`` key that is not the first key) fall back to ``json.loads``.
+single JSON object, or a non-null ``"error"`` key that is not the first key) fall back to a JSON
+parse bounded in depth, so no replica bytes can raise from here.
+
+:class:`UsageTail` reads ``usage.completion_tokens`` of a non-stream body with the same byte scan,
+keeping a bounded tail of the body instead of the body.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from router_sidecar.core import bounded_json
+
 __all__ = [
     "DONE_EVENT",
     "EventKind",
     "SseEvent",
     "SseScanner",
+    "UsageTail",
     "terminal_error_frame",
 ]
 
@@ -88,9 +95,13 @@ _CONTENT_RE = re.compile(
     rb'|tool_calls"\s*:\s*\[\s*[^\s\]])'
 )
 _FINISH_RE = re.compile(rb'"(?<!\\")finish_reason"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_USAGE_RE = re.compile(rb'"(?<!\\")completion_tokens"\s*:\s*(\d+)')
-_ERROR_FIRST_RE = re.compile(rb'\{\s*"error"\s*:')  # used with .match at the payload start
-_ERROR_ANY_RE = re.compile(rb'"(?<!\\")error"\s*:')
+# At most 18 digits: always an int64, and int() never meets Python's limit on digits (a ValueError).
+_USAGE_RE = re.compile(rb'"(?<!\\")completion_tokens"\s*:\s*(\d{1,18})(?!\d)')
+_USAGE_KEY = b'"completion_tokens"'
+# An in-band error is a non-null top-level "error" ("error": null is how some servers say "none").
+# The possessive \s*+ keeps the lookahead from being tried before the spaces.
+_ERROR_FIRST_RE = re.compile(rb'\{\s*"error"\s*:\s*+(?!null\b)')  # used with .match at the payload start
+_ERROR_SET_RE = re.compile(rb'"(?<!\\")error"\s*:\s*+(?!null\b)')
 _WS = b" \t\r\n"
 _DONE_PAYLOAD = b"[DONE]"
 _OPEN_BRACE = ord("{")
@@ -116,32 +127,52 @@ def _classify_payload(buf: bytes, p: int, e: int) -> _Classified:
         return _classify_by_json(buf[p:e])
     if _ERROR_FIRST_RE.match(buf, p, e):
         kind = EventKind.ERROR
-    elif buf.find(b'"error"', p, e) >= 0 and _ERROR_ANY_RE.search(buf, p, e):
-        return _classify_by_json(buf[p:e])  # is that "error" key top-level or nested?
+    elif buf.find(b'"error"', p, e) >= 0 and _ERROR_SET_RE.search(buf, p, e):
+        return _classify_by_json(buf[p:e])  # is that non-null "error" key top-level or nested?
     elif _CONTENT_RE.search(buf, p, e):
         kind = EventKind.CONTENT
     else:
         kind = EventKind.NON_CONTENT
+    # Each regex search starts at the first occurrence of its key (a C-speed find), or not at all.
     finish: str | None = None
-    m = _FINISH_RE.search(buf, p, e)
+    i = buf.find(b'"finish_reason"', p, e)
+    m = _FINISH_RE.search(buf, i, e) if i >= 0 else None
     if m:
         raw = m.group(1)
-        finish = json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8", "replace")
+        finish = _unescape(raw) if b"\\" in raw else raw.decode("utf-8", "replace")
     usage: int | None = None
-    m = _USAGE_RE.search(buf, p, e)
+    i = buf.find(_USAGE_KEY, p, e)
+    m = _USAGE_RE.search(buf, i, e) if i >= 0 else None
     if m:
         usage = int(m.group(1))
     return kind, finish, usage
+
+
+def _unescape(raw: bytes) -> str:
+    """A JSON string body with escapes; an invalid escape (not JSON, so not an engine's) is kept as is."""
+    try:
+        return json.loads(b'"' + raw + b'"')
+    except ValueError:
+        return raw.decode("utf-8", "replace")
 
 
 def _nonempty_str(v: Any) -> bool:
     return isinstance(v, str) and v != ""
 
 
+# Engines nest an event 4-6 levels deep; the bound keeps a hostile event from costing a deep parse.
+_MAX_EVENT_DEPTH = 64
+_MAX_USAGE = 10**18  # what _USAGE_RE reads: 18 digits
+
+
 def _classify_by_json(payload: bytes) -> _Classified:
     try:
-        obj = json.loads(payload)
-    except ValueError:  # includes UnicodeDecodeError
+        obj = bounded_json.loads(payload, max_depth=_MAX_EVENT_DEPTH)
+    except bounded_json.JsonTooDeep:
+        # No engine nests an event this deep: a broken replica, failed like an in-band error (retried before
+        # the first delta, a terminal frame after it), never forwarded to a client's JSON parser.
+        return EventKind.ERROR, None, None
+    except ValueError:  # invalid JSON, UnicodeDecodeError, NaN/Infinity (vLLM writes -Infinity logprobs)
         obj = None
     if not isinstance(obj, dict):
         # Bytes the client will see that we cannot prove empty: count them as content, which
@@ -151,9 +182,9 @@ def _classify_by_json(payload: bytes) -> _Classified:
     u = obj.get("usage")
     if isinstance(u, dict):
         ct = u.get("completion_tokens")
-        if isinstance(ct, int) and not isinstance(ct, bool):
+        if isinstance(ct, int) and not isinstance(ct, bool) and 0 <= ct < _MAX_USAGE:
             usage = ct
-    if "error" in obj:
+    if obj.get("error") is not None:
         return EventKind.ERROR, None, usage
     content = False
     finish: str | None = None
@@ -206,10 +237,18 @@ def _classify_lines(body: bytes) -> _Classified:
 # Two consecutive line terminators = end of a non-blank line + a blank line. The atomic groups
 # keep "\r\n" one terminator (no backtracking into "\r" + "\n").
 _EVENT_END_RE = re.compile(rb"(?>\r\n|\r|\n)(?>\r\n|\r|\n)")
+_BLANK_LF_RE = re.compile(rb"\n*")
+_BLANK_RE = re.compile(rb"[\r\n]*")
 _LF = ord("\n")
 _CR = ord("\r")
 _DATA_PREFIX = b"data:"
 _SPACE = ord(" ")
+
+
+def _skip_blank(blank: re.Pattern[bytes], buf: bytes | bytearray, pos: int) -> int:
+    """Offset of the first byte at or after ``pos`` that is not a line terminator."""
+    m = blank.match(buf, pos)
+    return m.end() if m else pos
 
 
 def _event(buf: bytes, start: int, body: int, end: int) -> SseEvent:
@@ -229,44 +268,63 @@ class SseScanner:
 
     ``feed`` returns the events completed by the data, in order; bytes of an incomplete event
     are held in ``pending``. ``b"".join(e.raw for e in events) + pending`` is always exactly the
-    input. Blank lines before an event belong to that event's ``raw``. Accepts LF, CRLF and CR
-    line endings and any split of the input into chunks.
+    input, until ``oversized``. Blank lines before an event belong to that event's ``raw``.
+    Accepts LF, CRLF and CR line endings and any split of the input into chunks.
+
+    Cost is linear in the input however it is split: held bytes are appended to a buffer, and
+    the search for an event's end goes on from where the previous one stopped.
+
+    **Bound.** At most ``max_event_bytes`` are held for one event. When the held bytes (the
+    incomplete event, with the blank lines before it) would exceed it, the scanner drops them
+    and turns ``oversized``: that ``feed`` still returns the events completed before, and every
+    later ``feed`` or ``close`` returns ``[]`` and holds nothing. The caller decides what an
+    oversized event means for its stream (fail the attempt, or end the stream with an error).
     """
 
-    __slots__ = ("_buf", "_resume")
+    __slots__ = ("_body", "_buf", "_cr", "_max_event_bytes", "_oversized", "_resume")
 
-    def __init__(self) -> None:
-        self._buf = b""
-        # Offset in _buf before which no event end can start: the bytes were scanned already.
+    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
+        if max_event_bytes < 1:
+            raise ValueError(f"max_event_bytes must be positive, got {max_event_bytes}")
+        self._max_event_bytes = max_event_bytes
+        self._oversized = False
+        # The held bytes of an incomplete event; empty in the common case.
+        self._buf = bytearray()
+        # Offset in _buf of the event's first line, or -1 while _buf holds only blank lines.
+        self._body = -1
+        # Offset in _buf from which the search for the event's end goes on: no end starts before it
+        # (while _body is -1: the blank lines end no earlier).
         self._resume = 0
+        # _buf holds a CR: the event's end is found by the general (CR, CRLF, LF) pattern.
+        self._cr = False
 
     @property
     def pending(self) -> bytes:
-        return self._buf
+        """A copy of the held bytes (``pending_size`` tells whether there are any, without copying)."""
+        return bytes(self._buf)
+
+    @property
+    def pending_size(self) -> int:
+        return len(self._buf)
+
+    @property
+    def oversized(self) -> bool:
+        """An event grew over ``max_event_bytes``; the scanner has stopped (see the class docstring)."""
+        return self._oversized
 
     def feed(self, data: bytes) -> list[SseEvent]:
-        # bytes(data) does not copy bytes; it freezes a bytearray or memoryview.
-        buf = self._buf + data if self._buf else bytes(data)
+        if self._buf:
+            return self._feed_held(data)
+        if self._oversized:
+            return []
+        # Fast path, nothing held: scan the chunk itself. bytes(data) does not copy bytes; it
+        # freezes a bytearray or memoryview.
+        buf = bytes(data)
         if b"\r" in buf:
-            return self._feed_general(buf, final=False)
-        events: list[SseEvent] = []
-        n = len(buf)
-        pos = 0
-        resume = self._resume
-        while pos < n:
-            body = pos
-            while body < n and buf[body] == _LF:
-                body += 1
-            end = buf.find(b"\n\n", max(body, resume))
-            if end < 0:
-                break
-            events.append(_event(buf, pos, body, end))
-            pos = end + 2
-            resume = 0
-        self._buf = buf[pos:] if pos else buf
-        # The last byte may be the first half of an event end, so it is scanned again.
-        self._resume = max(len(self._buf) - 1, 0) if self._buf else 0
-        return events
+            body = _skip_blank(_BLANK_RE, buf, 0)
+            return self._scan_general(buf, body, body, final=False)
+        body = 0 if buf[:1] != b"\n" else _skip_blank(_BLANK_LF_RE, buf, 0)
+        return self._scan_lf(buf, body, body)
 
     def close(self) -> list[SseEvent]:
         """End of input: an event whose blank line is a lone CR at the very end is complete now.
@@ -274,32 +332,169 @@ class SseScanner:
         (``feed`` holds such an event back because a following ``\\n`` would still belong to it.)
         Whatever remains in ``pending`` afterwards is an incomplete event.
         """
-        if not self._buf:
-            return []
-        return self._feed_general(self._buf, final=True)
+        if not self._cr or self._body < 0:
+            return []  # without a CR, feed has completed every event it could
+        buf = bytes(self._buf)
+        self._buf = bytearray()
+        return self._scan_general(buf, self._body, self._resume, final=True)
 
-    def _feed_general(self, buf: bytes, *, final: bool) -> list[SseEvent]:
+    def _feed_held(self, data: bytes) -> list[SseEvent]:
+        """Bytes arrive while an event is held: search only the new bytes for its end."""
+        buf = self._buf
+        old = len(buf)
+        buf += data
+        n = len(buf)
+        if not self._cr and buf.find(b"\r", old) >= 0:
+            self._cr = True
+        cr = self._cr
+        body = self._body
+        if body < 0:
+            body = _skip_blank(_BLANK_RE if cr else _BLANK_LF_RE, buf, self._resume)
+            if body == n:
+                self._resume = n
+                return self._check_size()
+            self._body = body
+        start = max(body, self._resume)
+        if cr:
+            m = _EVENT_END_RE.search(buf, start)
+            if m is None or (m.end() == n and buf[-1] == _CR):
+                # No end yet, or one ending in a lone CR whose "\n" may come next: search again from
+                # its start; an end spans at most 4 bytes ("\r\n\r\n"), so earlier starts are ruled out.
+                self._resume = m.start() if m is not None else max(n - 3, body)
+                return self._check_size()
+        elif buf.find(b"\n\n", start) < 0:
+            self._resume = max(n - 1, body)  # the last byte may be the first "\n" of the end
+            return self._check_size()
+        # The event is complete: scan on from the same point, in an immutable copy that the events'
+        # raw bytes are sliced from (each held byte is copied once more, so the cost stays linear).
+        frozen = bytes(buf)
+        self._buf = bytearray()
+        if cr:
+            return self._scan_general(frozen, body, start, final=False)
+        return self._scan_lf(frozen, body, start)
+
+    def _check_size(self) -> list[SseEvent]:
+        if len(self._buf) > self._max_event_bytes:
+            self._stop()
+        return []
+
+    def _stop(self) -> None:
+        self._oversized = True
+        self._buf = bytearray()
+        self._body, self._resume, self._cr = -1, 0, False
+
+    def _hold(self, buf: bytes, pos: int, body: int, resume: int, cr: bool) -> None:
+        """Hold ``buf[pos:]``, the start of an incomplete event (offsets are in ``buf``)."""
+        n = len(buf)
+        if n - pos > self._max_event_bytes:
+            self._stop()  # before copying what would not be kept
+            return
+        self._buf = bytearray(memoryview(buf)[pos:]) if pos else bytearray(buf)
+        self._body = body - pos if body < n else -1
+        self._resume = resume - pos
+        self._cr = cr
+
+    def _scan_lf(self, buf: bytes, body: int, start: int) -> list[SseEvent]:
+        """The events in ``buf`` (no CR in it), holding an incomplete rest.
+
+        The first event's lines start at ``body`` and its end is searched from ``start``.
+        """
         events: list[SseEvent] = []
         n = len(buf)
         pos = 0
-        resume = self._resume
-        held = -1
-        while pos < n:
-            body = pos
-            while body < n and (buf[body] == _LF or buf[body] == _CR):
-                body += 1
-            m = _EVENT_END_RE.search(buf, max(body, resume))
-            if m is None:
-                break
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                if pos < n:
+                    self._hold(buf, pos, body, max(n - 1, body), cr=False)
+                return events
+            events.append(_event(buf, pos, body, end))
+            pos = end + 2
+            if pos == n:
+                return events
+            body = start = pos if buf[pos] != _LF else _skip_blank(_BLANK_LF_RE, buf, pos)
+
+    def _scan_general(self, buf: bytes, body: int, start: int, *, final: bool) -> list[SseEvent]:
+        """``_scan_lf`` for any line endings; ``final``: the input ends with ``buf``."""
+        events: list[SseEvent] = []
+        n = len(buf)
+        pos = 0
+        while True:
+            m = _EVENT_END_RE.search(buf, start)
+            if m is None or (m.end() == n and buf[-1] == _CR and not final):
+                if pos < n:
+                    resume = m.start() if m is not None else max(n - 3, body)
+                    self._hold(buf, pos, body, resume, cr=buf.find(b"\r", pos) >= 0)
+                return events
             end = m.end()
-            if end == n and buf[-1] == _CR and not final:
-                held = m.start()  # a "\n" in the next chunk still belongs to this event
-                break
             kind, finish, usage = _classify_lines(buf[body : m.start()])
             events.append(SseEvent(buf[pos:end], kind, finish, usage))
             pos = end
-            resume = 0
-        self._buf = buf[pos:] if pos else buf
-        # An event end spans at most 4 bytes ("\r\n\r\n"), so earlier starts were ruled out.
-        self._resume = held - pos if held >= 0 else max(len(self._buf) - 3, 0)
-        return events
+            if pos == n:
+                return events
+            body = start = _skip_blank(_BLANK_RE, buf, pos)
+
+
+# --- non-stream usage -------------------------------------------------------------------------
+
+_BACKSLASH = ord("\\")
+
+
+class UsageTail:
+    """``usage.completion_tokens`` of a non-stream JSON body, read as it passes, in bounded memory.
+
+    vLLM writes ``usage`` near the end of a non-stream chat/completions body, after ``choices``
+    (which can be megabytes with logprobs). ``feed`` keeps only the last ``keep_bytes`` of the
+    body, so a key split between chunks is still read whole. ``completion_tokens`` is the value
+    of the last unescaped ``"completion_tokens": N`` key of the body (the byte-scan rule of the
+    stream events); a key followed by megabytes more (e.g. ``prompt_logprobs``, written after
+    ``usage``) is noted as it leaves the tail. Time O(body), memory O(``keep_bytes``).
+    """
+
+    __slots__ = ("_before_tail", "_keep_bytes", "_tail", "_tail_after_backslash")
+
+    def __init__(self, keep_bytes: int = 65536) -> None:
+        if keep_bytes < 256:
+            raise ValueError(f"keep_bytes must be at least 256, got {keep_bytes}")
+        self._keep_bytes = keep_bytes
+        self._tail = bytearray()
+        # The value of the last key that left the tail, if any.
+        self._before_tail: int | None = None
+        # The byte just before the tail was a backslash: a quote at the tail's start is escaped.
+        self._tail_after_backslash = False
+
+    def feed(self, chunk: bytes) -> None:
+        tail = self._tail
+        tail += chunk
+        excess = len(tail) - self._keep_bytes
+        if excess <= 0:
+            return
+        # Keys that start in the bytes about to leave, read with the rest of the tail after them.
+        stop = excess + len(_USAGE_KEY) - 1
+        i = tail.find(_USAGE_KEY, 0, stop)
+        while i >= 0:
+            value = self._value_at(i)
+            if value is not None:
+                self._before_tail = value
+            i = tail.find(_USAGE_KEY, i + 1, stop)
+        self._tail_after_backslash = tail[excess - 1] == _BACKSLASH
+        if excess >= self._keep_bytes:
+            self._tail = tail[excess:]  # a fresh buffer: do not keep a large chunk's allocation
+        else:
+            del tail[:excess]
+
+    def completion_tokens(self) -> int | None:
+        tail = self._tail
+        end = len(tail)
+        while (i := tail.rfind(_USAGE_KEY, 0, end)) >= 0:
+            value = self._value_at(i)
+            if value is not None:
+                return value
+            end = i + len(_USAGE_KEY) - 1  # keys that start before this one
+        return self._before_tail
+
+    def _value_at(self, i: int) -> int | None:
+        if i == 0 and self._tail_after_backslash:
+            return None
+        m = _USAGE_RE.match(self._tail, i)
+        return int(m.group(1)) if m else None

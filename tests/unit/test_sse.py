@@ -3,11 +3,22 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from router_sidecar.core.sse import DONE_EVENT, EventKind, SseEvent, SseScanner, terminal_error_frame
+from router_sidecar.core import sse
+from router_sidecar.core.sse import (
+    DONE_EVENT,
+    EventKind,
+    SseEvent,
+    SseScanner,
+    UsageTail,
+    terminal_error_frame,
+)
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 TRANSCRIPTS = sorted(REFERENCE.glob("*.sse"))
@@ -479,3 +490,466 @@ def test_random_streams(seed: int) -> None:
         s = SseScanner()
         fed = [e for p in pieces for e in s.feed(p)]
         assert b"".join(e.raw for e in fed) + s.pending == data
+
+
+# --- cost is linear in the input, however it is split ------------------------------------------
+
+
+def best_cpu_seconds(run: Callable[[], object], repeat: int = 3) -> float:
+    """CPU time of the fastest of ``repeat`` runs: robust to other processes on a busy machine."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.process_time()
+        run()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def feed_pieces(event: bytes, piece: int, **kwargs: int) -> Callable[[], object]:
+    pieces = [event[i : i + piece] for i in range(0, len(event), piece)]
+
+    def run() -> None:
+        s = SseScanner(**kwargs)
+        events = [e for p in pieces for e in s.feed(p)]
+        assert [e.raw for e in events] == [event]
+
+    return run
+
+
+LARGE_EVENTS: dict[str, Callable[[int], bytes]] = {
+    "lf": lambda n: b'data: {"choices":[{"delta":{"content":"' + b"x" * n + b'"}}]}\n\n',
+    "crlf": lambda n: b'data: {"choices":[{"delta":{"content":"' + b"x" * n + b'"}}]}\r\n\r\n',
+    "many lines": lambda n: (b"data: " + b"y" * 94 + b"\n") * (n // 100) + b"\n",
+    "comment lines, cr": lambda n: (b": " + b"z" * 97 + b"\r") * (n // 100) + b"data: [DONE]\r\r\n",
+}
+
+
+@pytest.mark.parametrize("shape", LARGE_EVENTS)
+def test_cost_is_linear_in_the_size_of_a_held_event(shape: str) -> None:
+    # 1 MB and 4 MB events in 1 KB chunks: linear is 4x, quadratic 16x (the old scanner: ~17x).
+    make = LARGE_EVENTS[shape]
+    small = best_cpu_seconds(feed_pieces(make(1 << 20), 1024, max_event_bytes=8 << 20))
+    large = best_cpu_seconds(feed_pieces(make(4 << 20), 1024, max_event_bytes=8 << 20))
+    assert large < 8 * small, f"1 MB: {small:.4f} s, 4 MB: {large:.4f} s"
+
+
+def test_cost_is_linear_in_blank_lines_before_an_event() -> None:
+    def run(blank: int) -> float:
+        return best_cpu_seconds(feed_pieces(b"\n" * blank + b"data: [DONE]\n\n", 256), repeat=5)
+
+    small, large = run(64 << 10), run(256 << 10)
+    assert large < 8 * small, f"64 KB: {small:.4f} s, 256 KB: {large:.4f} s"
+
+
+def test_pending_size_without_a_copy() -> None:
+    s = SseScanner()
+    assert s.pending_size == 0
+    s.feed(b"data: [DO")
+    assert s.pending_size == len(b"data: [DO") == len(s.pending)
+    s.feed(b"NE]\n\n")
+    assert s.pending_size == 0
+
+
+def test_cr_after_lf_only_held_bytes() -> None:
+    # Held bytes without a CR are searched for "\n\n"; a CR arriving later switches to CR/CRLF framing.
+    s = SseScanner()
+    assert s.feed(b"\n\ndata: [DONE]") == []
+    assert s.feed(b"\n") == []
+    [ev] = s.feed(b"\r\n")
+    assert ev.raw == b"\n\ndata: [DONE]\n\r\n"
+    assert ev.kind is EventKind.DONE
+    assert s.pending == b""
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_streams_byte_at_a_time(seed: int) -> None:
+    rng = random.Random(f"bytewise-{seed}")
+    eols = [b"\n", b"\r\n", b"\r"]
+    out = bytearray()
+    for _ in range(rng.randint(1, 12)):
+        out += rng.choice(eols) * rng.randint(0, 2)  # blank lines before the event
+        for _ in range(rng.randint(1, 3)):
+            out += rng.choice(PIECES) + rng.choice(eols)
+        out += rng.choice(eols)
+    data = bytes(out)
+    expected = scan_closed(data)
+    s = SseScanner()
+    events = [e for i in range(len(data)) for e in s.feed(data[i : i + 1])]
+    assert (events + s.close(), s.pending) == expected
+
+
+# --- the bound on one event ----------------------------------------------------------------------
+
+
+def test_oversized_event_stops_the_scanner() -> None:
+    a = chunk({"content": "a"})
+    s = SseScanner(max_event_bytes=100)
+    events = s.feed(a + b"data: " + b"x" * 200)
+    assert [e.raw for e in events] == [a]  # completed before the bound was crossed: still returned
+    assert s.oversized
+    assert s.pending == b""
+    assert s.pending_size == 0
+    assert s.feed(b"\n\n" + a) == []
+    assert s.feed(a) == []
+    assert s.close() == []
+    assert s.pending == b""
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64])
+@pytest.mark.parametrize(
+    "held",
+    [b"data: " + b"x" * 300, b"\n" * 300, b"\r\n" * 150, b": ping\r" * 50],
+    ids=["data", "blank lf", "blank crlf", "comments cr"],
+)
+def test_oversized_when_held_bytes_exceed_the_bound(held: bytes, piece: int) -> None:
+    s = SseScanner(max_event_bytes=100)
+    fed = 0
+    for i in range(0, len(held), piece):
+        assert s.feed(held[i : i + piece]) == []
+        fed += len(held[i : i + piece])
+        assert s.oversized == (fed > 100), fed
+        assert s.pending_size == (0 if fed > 100 else fed)
+    assert s.oversized
+
+
+def test_an_event_of_exactly_the_bound_is_held() -> None:
+    raw = chunk({"content": "y" * 50})
+    s = SseScanner(max_event_bytes=len(raw) - 1)
+    assert s.feed(raw[:-1]) == []
+    assert not s.oversized
+    [ev] = s.feed(raw[-1:])
+    assert ev.raw == raw
+    assert not s.oversized
+
+
+def test_default_bound_is_one_mebibyte() -> None:
+    s = SseScanner()
+    s.feed(b"data: " + b"x" * ((1 << 20) - 6))
+    assert not s.oversized
+    assert s.pending_size == 1 << 20
+    s.feed(b"x")
+    assert s.oversized
+
+
+def test_oversized_is_read_only_and_the_bound_positive() -> None:
+    s = SseScanner()
+    with pytest.raises(AttributeError):
+        s.oversized = True  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        SseScanner(max_event_bytes=0)
+
+
+# --- close() completes an event ended by a lone CR at the end of input ---------------------------
+
+CR_ENDED = [
+    (b"data: [DONE]\r\r", EventKind.DONE),
+    (b'data: {"choices":[{"delta":{"content":"a"}}]}\r\r', EventKind.CONTENT),
+    (b"data: [DONE]\r\n\r", EventKind.DONE),
+    (b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r', EventKind.CONTENT),
+    (b': ping\r\ndata: {"choices":[{"delta":{"content":""}}]}\r\n\r', EventKind.NON_CONTENT),
+]
+
+
+@pytest.mark.parametrize(("raw", "kind"), CR_ENDED, ids=[r.decode()[-14:] for r, _ in CR_ENDED])
+def test_close_completes_an_event_ended_by_a_lone_cr(raw: bytes, kind: EventKind) -> None:
+    before = chunk({"content": "b"}).replace(b"\n", b"\r\n")
+    for pieces in (
+        [raw],
+        [raw[i : i + 1] for i in range(len(raw))],
+        [before + raw],
+        [before, raw[:5], raw[5:]],
+    ):
+        s = SseScanner()
+        fed = [e for p in pieces for e in s.feed(p)]
+        assert [e.raw for e in fed] == ([before] if b"".join(pieces).startswith(before) else [])
+        assert s.pending == raw  # a "\n" could still follow: held
+        [ev] = s.close()
+        assert (ev.raw, ev.kind) == (raw, kind)
+        assert s.pending == b""
+        assert s.close() == []
+
+
+@pytest.mark.parametrize("raw", [b"data: [DONE]\r\n\r\n", b"data: [DONE]\n\r\n", b"data: [DONE]\r\r\n"])
+def test_an_event_ended_by_crlf_needs_no_close(raw: bytes) -> None:
+    s = SseScanner()
+    [ev] = s.feed(raw)
+    assert (ev.raw, ev.kind) == (raw, EventKind.DONE)
+    assert s.close() == []
+
+
+# --- "error": null is not an error -----------------------------------------------------------------
+
+ERROR_NULL_CASES: list[tuple[str, bytes, EventKind]] = [
+    (
+        "error null last",
+        b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"hi"}}],"error":null}\n\n',
+        C,
+    ),
+    (
+        "error null first",
+        b'data: {"error": null, "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n',
+        C,
+    ),
+    (
+        "error null first, role only",
+        b'data: {"error":null,"choices":[{"delta":{"role":"assistant"}}]}\n\n',
+        N,
+    ),
+    ("error null, spaces", b'data: {"error" :\tnull , "choices": [{"delta": {"content": "hi"}}]}\n\n', C),
+    ("error null, crlf", b'data: {"error":null,"choices":[{"delta":{"content":"hi"}}]}\r\n\r\n', C),
+    (
+        "error null top-level, set nested (json fallback)",
+        b'data: {"error":null,"choices":[{"delta":{"content":"hi"},"error":{"message":"m"}}]}\n\n',
+        C,
+    ),
+    (
+        "error set after error null key text in a string",
+        b'data: {"choices":[{"delta":{"content":"\\"error\\":null"}}],"error":{"message":"m"}}\n\n',
+        EventKind.ERROR,
+    ),
+    ("error false is set", b'data: {"error":false,"choices":[]}\n\n', EventKind.ERROR),
+    ("error string is set", b'data: {"choices":[],"error":"boom"}\n\n', EventKind.ERROR),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind"), [c[1:] for c in ERROR_NULL_CASES], ids=[c[0] for c in ERROR_NULL_CASES]
+)
+def test_error_null_is_classified_by_content(raw: bytes, kind: EventKind) -> None:
+    assert one(raw).kind is kind
+    assert scan_closed(*[raw[i : i + 3] for i in range(0, len(raw), 3)])[0][0].kind is kind
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (b'{"error": null, "choices": [{"delta": {"content": "hi"}}]}', C),
+        (b'{"choices": [{"delta": {"content": ""}}], "error": null}', N),
+        (b'{"error": {"message": "m"}}', EventKind.ERROR),
+    ],
+)
+def test_json_fallback_error_null(payload: bytes, kind: EventKind) -> None:
+    assert sse._classify_by_json(payload)[0] is kind
+
+
+# --- no replica bytes raise from the scanner -------------------------------------------------------
+
+# Nesting no engine writes is a broken replica: ERROR (retried before the first delta, a frame after).
+E = EventKind.ERROR
+HOSTILE_EVENTS: dict[str, tuple[bytes, EventKind, str | None, int | None]] = {
+    "100k [": (b"data: " + b"[" * 100_000 + b"\n\n", E, None, None),
+    '100k {"a":': (b"data: " + b'{"a":' * 100_000 + b"\n\n", E, None, None),
+    "100k [ closed": (b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n", E, None, None),
+    "deep object with an error key": (
+        b'data: {"choices":[],"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"error":{"message":"m"}}\n\n',
+        E,
+        None,
+        None,
+    ),
+    "deep, over two data lines": (b"data: [\ndata: " + b"[" * 100_000 + b"\n\n", E, None, None),
+    "65 levels (over the event bound)": (
+        b'data: {"choices":[],"error":' + b"[" * 64 + b"]" * 64 + b"}\n\n",
+        E,
+        None,
+        None,
+    ),
+    "invalid escape in finish_reason": (
+        b'data: {"choices":[{"delta":{},"finish_reason":"st\\qp"}]}\n\n',
+        N,
+        "st\\qp",
+        None,
+    ),
+    "5000-digit completion_tokens": (
+        b'data: {"choices":[],"usage":{"completion_tokens":' + b"9" * 5000 + b"}}\n\n",
+        N,
+        None,
+        None,
+    ),
+    # Python refuses to parse an int of over 4300 digits: unparseable, so counted as visible (safe side).
+    "5000-digit completion_tokens, json fallback": (
+        b'data: {"choices":[],"usage":{"completion_tokens":'
+        + b"9" * 5000
+        + b'},"error":null,"x":{"error":1}}\n\n',
+        C,
+        None,
+        None,
+    ),
+    "NaN": (b'data: {"choices":[],"x":NaN,"y":{"error":1}}\n\n', C, None, None),
+    "not utf-8": (b'data: {"choices":[{"delta":{"content":"\xff"}}],"y":{"error":1}}\n\n', C, None, None),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_EVENTS)
+def test_hostile_events_are_classified_without_raising(name: str) -> None:
+    raw, kind, finish, usage = HOSTILE_EVENTS[name]
+    ev = one(raw)
+    assert (ev.kind, ev.finish_reason, ev.usage_completion_tokens) == (kind, finish, usage)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_hostile_bytes_never_raise(seed: int) -> None:
+    rng = random.Random(f"hostile-{seed}")
+    alphabet = [
+        b"data: ",
+        b"data:",
+        b": ",
+        b"[",
+        b"]",
+        b"{",
+        b"}",
+        b'"error":',
+        b'"error": null',
+        b'{"error":',
+        b"\\",
+        b'"',
+        b"null",
+        b":",
+        b",",
+        b"\n",
+        b"\r",
+        b"\r\n",
+        b'"finish_reason":"',
+        b'"completion_tokens":',
+        b"9" * 30,
+        b"\\u12",
+        b"\xff",
+        b"[" * 300,
+        b'{"a":' * 300,
+        b'"content":"x"',
+        b"NaN",
+        b"[DONE]",
+    ]
+    data = b"".join(rng.choice(alphabet) for _ in range(rng.randint(10, 400)))
+    events, pending = scan_closed(data)
+    assert b"".join(e.raw for e in events) + pending == data
+    cuts = sorted(rng.sample(range(1, len(data)), k=min(len(data) - 1, 30)))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    assert scan_closed(*pieces) == (events, pending)
+
+
+# --- usage of a non-stream body --------------------------------------------------------------------
+
+
+def vllm_chat_body(completion_tokens: int, size: int) -> bytes:
+    """vLLM's non-stream chat body (reference chat.json) padded to ``size`` with logprobs."""
+    obj = json.loads((REFERENCE / "chat.json").read_bytes())
+    obj["usage"]["completion_tokens"] = completion_tokens
+    obj["usage"]["total_tokens"] = obj["usage"]["prompt_tokens"] + completion_tokens
+    top = [{"token": " b", "logprob": -1.25, "bytes": [32, 98]}]
+    entries = [
+        {"token": " a", "logprob": -0.5, "bytes": [32, 97], "top_logprobs": top},
+        # Token text that looks like the key: escaped inside a string, so not a key.
+        {"token": '"completion_tokens": 7', "logprob": -3.0, "bytes": [34], "top_logprobs": top},
+        {"token": "\\", "logprob": -2.0, "bytes": [92], "top_logprobs": top},
+    ]
+    entry_size = len(json.dumps(entries, separators=(",", ":")))
+    # In the long list, each group of entries costs its length less the 2 brackets plus 1 comma.
+    obj["choices"][0]["logprobs"] = {"content": entries * (size // (entry_size - 1) + 1)}
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+BIG_BODY = vllm_chat_body(4096, 4 << 20)
+USAGE_AT = BIG_BODY.index(b'"usage":')
+USAGE_END = BIG_BODY.index(b"}", USAGE_AT) + 1
+
+
+def usage_of(*pieces: bytes, keep_bytes: int = 65536) -> int | None:
+    tail = UsageTail(keep_bytes)
+    for p in pieces:
+        tail.feed(p)
+    return tail.completion_tokens()
+
+
+def test_usage_tail_reference_body() -> None:
+    body = (REFERENCE / "chat.json").read_bytes()
+    assert usage_of(body) == 4
+    for i in range(len(body) + 1):
+        assert usage_of(body[:i], body[i:]) == 4, i
+
+
+def test_usage_tail_4mb_body_in_random_chunks() -> None:
+    assert len(BIG_BODY) >= 4 << 20
+    assert BIG_BODY.index(b'"usage":') > len(BIG_BODY) - 1000  # vLLM: usage at the end
+    rng = random.Random("usage-tail")
+    for _ in range(5):
+        cuts = sorted(rng.sample(range(1, len(BIG_BODY)), k=rng.randint(1, 300)))
+        pieces = [BIG_BODY[a:b] for a, b in zip([0, *cuts], [*cuts, len(BIG_BODY)], strict=True)]
+        assert usage_of(*pieces) == 4096
+
+
+def test_usage_tail_chunk_boundary_inside_usage() -> None:
+    body = memoryview(BIG_BODY)
+    start = USAGE_AT - 100
+    for i in range(USAGE_AT - 3, USAGE_END + 3):
+        assert usage_of(body[:start], body[start:i], body[i:]) == 4096, bytes(body[USAGE_AT:i])
+        assert usage_of(body[:start], body[start:i], body[i:], keep_bytes=256) == 4096
+
+
+def test_usage_tail_memory_is_bounded() -> None:
+    pieces = [BIG_BODY[i : i + 65536] for i in range(0, len(BIG_BODY), 65536)]
+    tail = UsageTail()
+    tracemalloc.start()
+    try:
+        for p in pieces:
+            tail.feed(p)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert tail.completion_tokens() == 4096
+    assert peak < 512 << 10, peak  # a 4 MB body, 64 KB chunks, 64 KB kept
+
+
+def test_usage_tail_cost_is_linear() -> None:
+    def run(size: int) -> float:
+        body = vllm_chat_body(12, size)
+        pieces = [body[i : i + 1024] for i in range(0, len(body), 1024)]
+        return best_cpu_seconds(lambda: usage_of(*pieces))
+
+    small, large = run(1 << 20), run(4 << 20)
+    assert large < 8 * small, f"1 MB: {small:.4f} s, 4 MB: {large:.4f} s"
+
+
+def test_usage_tail_key_followed_by_megabytes() -> None:
+    # vLLM writes prompt_logprobs after usage: the key leaves the tail and is still the answer.
+    body = (
+        b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":12},"prompt_logprobs":['
+        + b'{"1":{"logprob":-0.5,"rank":1,"decoded_token":"\\"completion_tokens\\": 9"}},' * 20_000
+        + b"null]}"
+    )
+    assert len(body) > 1 << 20
+    assert usage_of(body) == 12
+    assert usage_of(*[body[i : i + 1000] for i in range(0, len(body), 1000)]) == 12
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"usage":{"completion_tokens":12},"x":"\\"completion_tokens\\": 99"}', 12),
+        (b'{"a":{"completion_tokens":1},"b":{"completion_tokens":2}}', 2),
+        (b'{"usage":{"completion_tokens_details":null,"completion_tokens" : 5}}', 5),
+        (b'{"usage":{"completion_tokens":5},"b":{"completion_tokens":null}}', 5),
+        (b'{"choices":[],"usage":null}', None),
+        (b"", None),
+        (b'{"usage":{"completion_tokens":' + b"9" * 5000 + b"}}", None),
+    ],
+    ids=["escaped key after", "last of two", "spaces", "null after", "usage null", "empty", "5000 digits"],
+)
+def test_usage_tail_last_key(body: bytes, expected: int | None) -> None:
+    assert usage_of(body) == expected
+    assert usage_of(*[body[i : i + 5] for i in range(0, len(body), 5)], keep_bytes=256) == expected
+
+
+def test_usage_tail_escaped_key_at_the_start_of_the_tail() -> None:
+    # The tail starts exactly at a quote whose escaping backslash has just left the tail.
+    keep = 256
+    key = b'"completion_tokens\\": 7'
+    body = b'{"x":"' + b"a" * 1000 + b"\\" + key + b"b" * (keep - len(key) - 2) + b'"}'
+    assert body[-keep:].startswith(b'"completion_tokens')
+    for piece in (1, 7, 100, len(body)):
+        pieces = [body[i : i + piece] for i in range(0, len(body), piece)]
+        assert usage_of(*pieces, keep_bytes=keep) is None, piece
+
+
+def test_usage_tail_keep_bytes_lower_bound() -> None:
+    with pytest.raises(ValueError):
+        UsageTail(keep_bytes=16)
