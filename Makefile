@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-unit test-integration lint bench clean real-setup real-test
+.PHONY: setup demo test test-unit test-integration lint bench clean real-setup real-test fuzz soak
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,17 @@ real-setup:
 
 real-test: setup real-setup
 	$(PYTEST) tests/real_engine -q $(PYTEST_ARGS)
+
+# Randomized concurrent fault suite, CI size (~80 seeded trials, a few hundred requests, ~2 min; part of
+# `make test`). FUZZ_SEED / FUZZ_TRIALS override; the seed is printed; a failing trial prints the command
+# that replays it (`python -m tests.fault.fuzz --replay SEED`).
+fuzz: setup
+	$(PYTEST) tests/fault/test_fuzz.py -q $(PYTEST_ARGS)
+
+# The nightly size of the same suite.
+TRIALS ?= 10000
+soak: setup
+	$(PY) -m tests.fault.fuzz --trials $(TRIALS) $(SOAK_ARGS)
 
 lint: setup
 	.venv/bin/ruff check router_sidecar tests bench

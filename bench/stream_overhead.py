@@ -34,9 +34,10 @@ from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envo
 from router_sidecar.runtime.supervise import (
     Child,
     ProcessFailed,
+    envoy_ready,
     free_port,
-    http_ok,
     port_open,
+    start_envoy,
     start_etcd,
     wait_until,
 )
@@ -318,21 +319,12 @@ class Setup:
         return pids
 
 
-def _admin_ready(admin_path: Path) -> bool:
-    address = admin_path.read_text().strip() if admin_path.exists() else ""
-    return bool(address) and http_ok(f"http://{address}/ready")
-
-
 def start_plain_envoy(envoy: str, spec: GatewaySpec, work: Path) -> Child:
     config_path = work / "plain-envoy.yaml"
     config_path.write_text(yaml.safe_dump(plain_envoy_config(render(spec)), sort_keys=False))
-    admin_path = work / "plain-admin-address"
-    # Same flags as router_sidecar/runtime/gateway.py starts its Envoy with.
-    argv = [envoy, "-c", str(config_path), "--disable-hot-restart", "--log-level", "warn"]
-    child = Child(
-        "plain-envoy", [*argv, "--admin-address-path", str(admin_path)], log_path=work / "plain-envoy.log"
-    )
-    wait_until(lambda: _admin_ready(admin_path), timeout=30, what="plain envoy ready", child=child)
+    # Started the way router_sidecar/runtime/gateway.py starts its Envoy.
+    child = start_envoy(envoy, config_path, name="plain-envoy", log_path=work / "plain-envoy.log")
+    wait_until(lambda: envoy_ready(spec.admin_socket), timeout=30, what="plain envoy ready", child=child)
     return child
 
 
@@ -603,6 +595,7 @@ def _run(
         replicas=(Endpoint(HOST, upstream_port),),
         sidecar_socket=work / "unused.sock",
         access_log_path=work / "plain-access.log",
+        admin_socket=work / "plain-admin.sock",
         policy=load_policy(None),
     )
     plain = start_plain_envoy(envoy, spec, work)

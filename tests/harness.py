@@ -20,10 +20,21 @@ from typing import Any
 
 import httpx
 
-from router_sidecar.runtime.supervise import Child, free_port, port_open, wait_until
+from router_sidecar.runtime.supervise import Child, envoy_admin, free_port, port_open, wait_until
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parent.parent
+# Every test request carries a credential unless it says otherwise: callers without one are refused on
+# journal look-ups and tool calls (tenancy.refuse_anonymous), and all would share one tenant.
+CREDENTIAL = {"Authorization": "Bearer test-tenant"}
+
+
+def with_credential(headers: dict[str, str] | None) -> dict[str, str]:
+    """`headers` plus the test credential, unless they carry a credential (or an explicit None) already."""
+    merged = dict(headers or {})
+    if not any(k.lower() in ("authorization", "x-api-key") for k in merged):
+        merged.update(CREDENTIAL)
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 class Sim:
@@ -204,8 +215,19 @@ class Gateway:
                 self.proc.wait(5)
         self._out.close()
 
+    def envoy_admin(self, path: str) -> bytes:
+        """GET from this gateway's Envoy admin interface (a unix socket in its work dir)."""
+        answer = envoy_admin(self.work / "gw" / "admin.sock", path, timeout=5)
+        assert answer is not None and answer[0] == 200, answer
+        return answer[1]
+
+    def envoy_pid(self) -> int:
+        return int((self.work / "gw" / "envoy.pid").read_text())
+
     def journal(self, request_id: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        response = httpx.get(f"{self.url}/v1/requests/{request_id}", headers=headers or {}, timeout=5)
+        response = httpx.get(
+            f"{self.url}/v1/requests/{request_id}", headers=with_credential(headers), timeout=5
+        )
         return response.status_code, response.json()
 
     def wait_journal(
@@ -287,7 +309,7 @@ def post(
     status, response_headers, error = 0, {}, None
     with httpx.Client(timeout=timeout) as client:
         try:
-            with client.stream("POST", url, json=body, headers=headers or {}) as response:
+            with client.stream("POST", url, json=body, headers=with_credential(headers)) as response:
                 status, response_headers = response.status_code, dict(response.headers)
                 for chunk in response.iter_raw():
                     raw += chunk

@@ -87,6 +87,7 @@ class AttemptLeases:
 
     async def grant(self, *, attempt_id: str, request_id: str, replica: str) -> AttemptLease:
         """A lease for a new attempt, with its record under /attempts/ (removed with the lease)."""
+        lease: Lease | None = None
         try:
             lease = await self._store.grant_lease(self.ttl_seconds)
             record = {"attempt_id": attempt_id, "request_id": request_id, "replica": replica}
@@ -94,9 +95,18 @@ class AttemptLeases:
         except StoreUnavailable as exc:
             log.error("attempt %s runs without a lease (cannot be fenced by etcd): %s", attempt_id, exc)
             lease = None
+        except asyncio.CancelledError:
+            # The attempt's stream was torn down meanwhile: no attempt will ever hold this lease.
+            if lease is not None:
+                asyncio.get_running_loop().create_task(self._revoke_quietly(lease))
+            raise
         held = AttemptLease(attempt_id, lease, time.time(), time.monotonic(), self.ttl_seconds)
         self._active[attempt_id] = held
         return held
+
+    async def _revoke_quietly(self, lease: Lease) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self._store.revoke_lease(lease)
 
     def stop_honouring(self, held: AttemptLease) -> None:
         """Stop honouring the lease at once (no etcd call): nothing of this attempt is released from now."""
@@ -121,20 +131,28 @@ class AttemptLeases:
         held.revoked_at = held.revoked_at or time.time()
 
     async def release(self, held: AttemptLease, proof: FenceProof | None = None) -> None:
-        """The attempt is over (finished, or its connection is gone): revoke; `proof` marks it fenced."""
-        await self.revoke(held)
-        if proof is not None:
-            held.fenced.set()
+        """The attempt is over (finished, or its connection is gone): revoke; `proof` marks it fenced.
 
-    async def fence(self, held: AttemptLease) -> FenceProof | None:
-        """Revoke, then wait for the cancel ack or the expiry bound. None: cannot be proven (no lease)."""
+        A revocation etcd did not confirm (unreachable) is proven by the lease's expiry instead: until then a
+        replica side may still take the lease for valid, so no other attempt's lease is granted before."""
+        await self.revoke(held)
+        if proof is None:
+            return
+        if held.revoked_at is None and held.lease is not None:
+            await asyncio.sleep(max(0.0, held.expiry_bound - time.monotonic()))
+            held.revoked_at = time.time()  # expired on etcd's clock
+        held.fenced.set()
+
+    async def fence(self, held: AttemptLease, *, accept_cancel_ack: bool = True) -> FenceProof | None:
+        """Revoke, then wait for the cancel ack (policy `wait_for: cancel_ack_or_lease_expiry`) or the
+        expiry bound (`lease_expiry`: always the whole TTL). None: cannot be proven (no lease)."""
         if held.lease is None:
             self.stop_honouring(held)
             return None
         await self.revoke(held)
         while time.monotonic() < held.expiry_bound:
             try:
-                if await self._store.get(keys.cancel_ack(held.attempt_id)) is not None:
+                if accept_cancel_ack and await self._store.get(keys.cancel_ack(held.attempt_id)) is not None:
                     held.fenced.set()
                     return FenceProof.CANCEL_ACK
             except StoreUnavailable:

@@ -12,6 +12,7 @@ written in the same time bucket, so the journal costs one lease per bucket, not 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -19,8 +20,14 @@ from typing import Any
 
 from router_sidecar.coordination.store import RetentionLeases, Store, StoreUnavailable, keys
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
+from router_sidecar.core.views import journal_view
 
 log = logging.getLogger(__name__)
+
+
+# A write that etcd did not take is retried with back-off, for about ten minutes.
+WRITE_RETRIES = 130
+WRITE_RETRY_MAX_SECONDS = 5.0
 
 
 class ClaimConflict(Exception):
@@ -43,18 +50,41 @@ def existing_phase(record: dict[str, Any]) -> Phase | None:
 
 
 class _Entry:
-    __slots__ = ("dirty", "lock", "released", "trace")
+    __slots__ = ("dirty", "dropped", "failures", "head", "head_size", "lock", "released", "tail")
 
-    def __init__(self) -> None:
+    def __init__(self, max_events: int) -> None:
         self.lock = asyncio.Lock()
-        self.trace: list[dict[str, Any]] = []
+        # The trace keeps its first and its last events: a request that loops on something (a flood of
+        # tool calls, a replica's odd output) cannot grow its record past etcd's request size limit.
+        self.head: list[dict[str, Any]] = []
+        self.head_size = max_events // 2
+        self.tail: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_events - max_events // 2)
+        self.dropped = 0
         self.dirty = False
+        self.failures = 0  # consecutive failed writes (etcd unreachable)
         self.released = False  # the request left this gateway: drop the entry once it is written
+
+    def add(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            if len(self.head) < self.head_size:
+                self.head.append(event)
+                continue
+            if len(self.tail) == self.tail.maxlen:
+                self.dropped += 1
+            self.tail.append(event)
+
+    def trace(self) -> list[dict[str, Any]]:
+        if not self.dropped:
+            return [*self.head, *self.tail]
+        return [*self.head, {"event": "events_dropped", "count": self.dropped}, *self.tail]
 
 
 class Journal:
-    def __init__(self, store: Store, *, retention_seconds: int, gateway_id: str) -> None:
+    def __init__(
+        self, store: Store, *, retention_seconds: float, gateway_id: str, max_events: int = 256
+    ) -> None:
         self._store = store
+        self._max_events = max_events
         self._gateway_id = gateway_id
         self._entries: dict[LogicalRequest, _Entry] = {}  # by identity: one id may be re-run
         self._leases = RetentionLeases(store, retention_seconds)
@@ -124,8 +154,22 @@ class Journal:
             entry.dirty = False
             try:
                 await self._put(request, entry)
+                entry.failures = 0
             except StoreUnavailable as exc:
-                log.error("journal: could not record request %s: %s", request.request_id, exc)
+                # etcd is away (restarting, partitioned): the record's latest state is written when it is
+                # back, or the record would stay at whatever phase the last write that got through said.
+                entry.failures += 1
+                if entry.failures == 1:
+                    log.error(
+                        "journal: could not record request %s (will retry): %s", request.request_id, exc
+                    )
+                if entry.failures <= WRITE_RETRIES:
+                    entry.dirty = True
+                    delay = min(WRITE_RETRY_MAX_SECONDS, 0.25 * 2 ** (entry.failures - 1))
+                    loop = asyncio.get_running_loop()
+                    loop.call_later(delay, lambda: loop.create_task(self._flush(request, entry)))
+                else:
+                    log.error("journal: gave up recording request %s: %s", request.request_id, exc)
         if entry.released and not entry.dirty:
             self._entries.pop(request, None)
 
@@ -139,10 +183,10 @@ class Journal:
         """The record as it would be stored now (for look-ups of requests still in flight here)."""
         entry = self._entry(request)
         self._take_events(request, entry)
-        record = request.journal_view()
+        record = journal_view(request)
         record["gateway"] = self._gateway_id
         record["updated_at"] = round(time.time(), 6)
-        record["events"] = list(entry.trace)
+        record["events"] = entry.trace()
         return record
 
     def _encode(self, request: LogicalRequest, entry: _Entry) -> bytes:
@@ -150,10 +194,10 @@ class Journal:
 
     def _take_events(self, request: LogicalRequest, entry: _Entry) -> None:
         now = time.time()
-        entry.trace.extend(event.as_record(now) for event in request.drain_events())
+        entry.add([event.as_record(now) for event in request.drain_events()])
 
     def _entry(self, request: LogicalRequest) -> _Entry:
         entry = self._entries.get(request)
         if entry is None:
-            entry = self._entries[request] = _Entry()
+            entry = self._entries[request] = _Entry(self._max_events)
         return entry

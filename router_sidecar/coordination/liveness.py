@@ -3,8 +3,12 @@
 A replica that was registered and is no longer (its agent withdrew it because the engine stopped
 answering, or its heartbeat lease expired because the agent is cut off) is *lost*: liveness of its
 attempts is uncertain, so they are fenced. This is not a latency timeout: a slow replica whose agent
-still sees it healthy keeps its attempts for as long as the request's deadline allows. A replica that
-never registered (static `--replica`) has no heartbeat: only its connection tells about it.
+still sees it healthy keeps its attempts for as long as the request's deadline allows.
+
+A static replica (`--replica`, no agent) has no heartbeat, so the sidecar probes its `/health` itself: one
+that stops accepting connections or answering its health check (a dying engine whose server only waits
+for connections to close, a frozen process) is lost after `liveness.static_probe_failures` probes in a
+row. It has no replica side either, so its closed connection is the whole fence.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 
+from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
 from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
 
 log = logging.getLogger(__name__)
@@ -29,34 +34,62 @@ class Liveness(enum.StrEnum):
 
 
 class LivenessMonitor:
-    def __init__(self, registry: ReplicaRegistry | None) -> None:
+    def __init__(
+        self,
+        registry: ReplicaRegistry | None,
+        *,
+        static: tuple[str, ...] = (),
+        probe_interval: float = 1.0,
+        probe_failures: int = 2,
+    ) -> None:
         self._registry = registry
+        self._static_failures = dict.fromkeys(static, 0)  # static replica → failed probes in a row
+        self._probe_interval = probe_interval
+        self._probe_failures = probe_failures
         self.replicas: dict[str, Replica] = {}
         self._ever_registered: set[str] = set()
         self._watchers: dict[str, set[LossCallback]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
         self.changed = (
             asyncio.Event()
         )  # set (and replaced) after every registry change: discovery waits on it
         self.first_snapshot = asyncio.Event()
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._registry is not None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = loop.create_task(self._run())
+        if self._static_failures:
+            self._probe_task = loop.create_task(self._probe_static())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._probe_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def state(self, address: str) -> Liveness:
         if address in self.replicas:
             return Liveness.HEALTHY
-        return Liveness.LOST if address in self._ever_registered else Liveness.UNKNOWN
+        if address in self._ever_registered:
+            return Liveness.LOST
+        failures = self._static_failures.get(address)
+        if failures is None:
+            return Liveness.UNKNOWN
+        return Liveness.LOST if failures >= self._probe_failures else Liveness.HEALTHY
+
+    def registered(self, address: str) -> bool:
+        """Whether the replica ever had a heartbeat (an agent, maybe a replica side that honours leases)."""
+        return address in self._ever_registered
 
     def on_loss(self, address: str, callback: LossCallback) -> Callable[[], None]:
-        """Call `callback(address)` once if this replica is lost; returns the function that unsubscribes."""
+        """Call `callback(address)` once if this replica is lost (at once if it is lost already); returns the
+        function that unsubscribes."""
+        if self.state(address) is Liveness.LOST:
+            asyncio.get_running_loop().create_task(callback(address))
+            return lambda: None
         self._watchers.setdefault(address, set()).add(callback)
 
         def unsubscribe() -> None:
@@ -78,7 +111,28 @@ class LivenessMonitor:
             self.changed.set()
             self.changed = asyncio.Event()
             for address in lost:
-                callbacks = self._watchers.pop(address, set())
-                log.warning("replica %s lost its heartbeat: fencing %d attempt(s)", address, len(callbacks))
-                for callback in callbacks:
-                    asyncio.get_running_loop().create_task(callback(address))
+                self._lost(address, "lost its heartbeat")
+
+    def _lost(self, address: str, why: str) -> None:
+        callbacks = self._watchers.pop(address, set())
+        log.warning("replica %s %s: fencing %d attempt(s)", address, why, len(callbacks))
+        for callback in callbacks:
+            asyncio.get_running_loop().create_task(callback(address))
+
+    async def _probe_static(self) -> None:
+        while True:
+            results = await asyncio.gather(*(self._probe(a) for a in self._static_failures))
+            for address, healthy in zip(self._static_failures, results, strict=True):
+                failures = 0 if healthy else self._static_failures[address] + 1
+                self._static_failures[address] = failures
+                if failures == self._probe_failures:
+                    self._lost(address, f"failed {failures} health probes in a row")
+            await asyncio.sleep(self._probe_interval)
+
+    async def _probe(self, address: str) -> bool:
+        host, port = split_hostport(address)
+        try:
+            status, _ = await http_get(host, port, "/health", self._probe_interval)
+        except (OSError, TimeoutError, EngineDown):
+            return False
+        return status == 200

@@ -24,16 +24,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from string import Template
 
 from router_sidecar.coordination.store import EtcdStore, RetentionLeases, StoreUnavailable, keys
-from router_sidecar.runtime.envoy_config import TEMPLATE_DIR, Endpoint, find_envoy, validate
-from router_sidecar.runtime.supervise import Child, http_ok
 
 log = logging.getLogger(__name__)
 
@@ -244,80 +239,3 @@ class AttemptGuard:
     def close(self) -> None:
         if self._checking is not None:
             self._checking.cancel()
-
-
-# ---------------------------------------------------------------------------------------------- front Envoy
-
-
-@dataclass(frozen=True, slots=True)
-class FrontSpec:
-    front: Endpoint
-    engine: Endpoint
-    fence_socket: Path
-    admin_port: int = 0
-    connect_timeout: float = 1.0
-
-
-def render_front(spec: FrontSpec) -> str:
-    values = {
-        "admin_port": spec.admin_port,
-        "node_id": f"{socket.gethostname()}-replica-{spec.front.port}",
-        "front_host": spec.front.host,
-        "front_port": spec.front.port,
-        "engine_discovery": "STATIC" if spec.engine.is_ip else "STRICT_DNS",
-        "engine_host": json.dumps(spec.engine.host),
-        "engine_port": spec.engine.port,
-        "connect_timeout": f"{spec.connect_timeout:g}s",
-        "fence_socket": json.dumps(str(spec.fence_socket)),
-    }
-    return Template((TEMPLATE_DIR / "replica.yaml").read_text()).substitute(values)
-
-
-class FrontEnvoy:
-    """The replica's own Envoy in front of the engine, started by the agent and stopped with it."""
-
-    def __init__(self, spec: FrontSpec, work_dir: Path, *, log_level: str = "warn") -> None:
-        self.spec = spec
-        self.work_dir = work_dir
-        self.log_level = log_level
-        self.child: Child | None = None
-
-    async def start(self, timeout: float = 30.0) -> None:
-        envoy = find_envoy()
-        config_path = self.work_dir / "front-envoy.yaml"
-        config_path.write_text(render_front(self.spec))
-        await asyncio.to_thread(validate, envoy, config_path)
-        admin_path = self.work_dir / "front-admin-address"
-        admin_path.unlink(missing_ok=True)
-        self.child = Child(
-            "front-envoy",
-            [
-                envoy,
-                "-c",
-                str(config_path),
-                "--disable-hot-restart",
-                "--log-level",
-                self.log_level,
-                "--admin-address-path",
-                str(admin_path),
-            ],
-            log_path=self.work_dir / "front-envoy.log",
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.child.alive():
-                raise RuntimeError(
-                    f"front envoy exited with {self.child.proc.returncode}:\n{self.child.tail()}"
-                )
-            address = admin_path.read_text().strip() if admin_path.exists() else ""
-            if address and await asyncio.to_thread(http_ok, f"http://{address}/ready"):
-                return
-            await asyncio.sleep(0.05)
-        raise RuntimeError(f"front envoy was not ready within {timeout}s:\n{self.child.tail()}")
-
-    def alive(self) -> bool:
-        return self.child is not None and self.child.alive()
-
-    async def stop(self) -> None:
-        if self.child is not None:
-            await asyncio.to_thread(self.child.stop)

@@ -23,6 +23,7 @@ class EventName(enum.StrEnum):
     RETRY_REFUSED = "retry_refused"
     FIRST_DELTA_SENT = "first_delta_sent"
     RESPONSE_PASSED_THROUGH = "response_passed_through"
+    RESPONSE_REPLACED = "response_replaced"  # headers no released attempt sent (Envoy's answer): replaced
     STREAM_COMPLETED = "stream_completed"
     STREAM_TERMINATED = "stream_terminated"
     STREAM_RESET = "stream_reset"
@@ -34,6 +35,24 @@ class EventName(enum.StrEnum):
     TOOL_CALL_REFUSED = "tool_call_refused"
     TOOL_CALL_FREED = "tool_call_freed"
     TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
+
+
+class Outcome(enum.StrEnum):
+    """The terminal outcome of a logical request (journal `outcome`, `error.code` of its HTTP error)."""
+
+    COMPLETED = "completed"
+    UPSTREAM_DECODE_INTERRUPTED = "upstream_decode_interrupted"  # after the first delta: the terminal frame
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the gateway's own request deadline fired
+    CLIENT_DISCONNECTED = "client_disconnected"
+    RETRIES_EXHAUSTED = "retries_exhausted"  # every allowed attempt failed before content
+    RETRY_NOT_ALLOWED = "retry_not_allowed"  # cost cap, policy, or no journal to prove a retry safe
+    RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"  # Envoy's cluster retry budget refused the retry
+    REPLICAS_OVERLOADED = "replicas_overloaded"  # every attempt got 429
+    FENCE_UNPROVABLE = "fence_unprovable"
+    NO_COMPATIBLE_REPLICA = "no_compatible_replica"
+    NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy found no healthy host to send an attempt to
+    UPSTREAM_ERROR = "upstream_error"
+    ENVOY_EXITED = "envoy_exited"  # the gateway's own Envoy died under the stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,27 +14,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from router_sidecar.core import bounded_json
+
 __all__ = [
     "ParsedRequest",
     "RequestRejected",
     "RouteKind",
     "estimate_prompt_tokens",
     "parse_request",
-    "route_kind",
 ]
 
 
 class RouteKind(enum.Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
-
-
-_ROUTES = {"/v1/chat/completions": RouteKind.CHAT, "/v1/completions": RouteKind.COMPLETIONS}
-
-
-def route_kind(path: str) -> RouteKind | None:
-    """The API a request path addresses; the query string is ignored. None: not ours to handle."""
-    return _ROUTES.get(path.partition("?")[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +60,10 @@ class RequestRejected(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in the parsing worker process too: it must survive pickling with its fields.
+        return (RequestRejected, (self.status, self.code, self.message, self.param))
+
     def body(self, request_id: str) -> bytes:
         """Same shape as vLLM/OpenAI errors, plus the request id the journal knows it by."""
         err = {
@@ -81,10 +78,6 @@ class RequestRejected(Exception):
 
 def _reject(status: int, code: str, message: str, param: str | None = None) -> NoReturn:
     raise RequestRejected(status, code, message, param)
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _opt_int(v: Any) -> int | None:
@@ -152,7 +145,12 @@ def _prompt_count(prompt: Any) -> int:
 
 
 def parse_request(
-    kind: RouteKind, body: bytes, *, max_body_bytes: int, known_models: frozenset[str] | None
+    kind: RouteKind,
+    body: bytes,
+    *,
+    max_body_bytes: int,
+    max_json_depth: int = 64,
+    known_models: frozenset[str] | None = None,
 ) -> ParsedRequest:
     """Validate a request body; raise :class:`RequestRejected` with what is wrong and what to do."""
     if len(body) > max_body_bytes:
@@ -163,7 +161,7 @@ def parse_request(
             "(limits.max_request_body_bytes). Send a shorter prompt or ask the operator to raise the limit.",
         )
     try:
-        text = body.decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError as exc:
         _reject(
             400,
@@ -172,7 +170,14 @@ def parse_request(
             "send JSON encoded as UTF-8.",
         )
     try:
-        req = json.loads(text, parse_constant=_reject_constant)
+        req = bounded_json.loads(body, max_depth=max_json_depth)
+    except bounded_json.JsonTooDeep:
+        _reject(
+            400,
+            "json_too_deep",
+            f"the request body nests arrays/objects deeper than {max_json_depth} levels "
+            "(limits.max_json_depth); flatten it.",
+        )
     except json.JSONDecodeError as exc:
         _reject(
             400,

@@ -208,14 +208,19 @@ class OnUpstreamFailure:
 class Budgets:
     """Retry budgets, rendered into Envoy's cluster."""
 
+    # 50 %: when one replica of a pool of N >= 2 dies, the requests it held in prefill (about 1/N of those in
+    # flight) all get their retry; when the whole pool fails at once, at most half of the requests are
+    # retried at the same time, so a mass failure adds at most 50 % load instead of doubling it.
     retry_budget_percent: float = field(
-        default=20.0,
-        metadata=_key("Envoy retry_budget: retries at most this % of active requests", lo=0, hi=100),
+        default=50.0,
+        metadata=_key(
+            "Envoy retry_budget: concurrent retries at most this % of requests in flight", lo=0, hi=100
+        ),
     )
     min_retry_concurrency: int = field(
-        default=3, metadata=_key("Envoy retry_budget floor: this many retries are always allowed", lo=0)
+        default=3,
+        metadata=_key("Envoy retry_budget floor: this many concurrent retries are always allowed", lo=0),
     )
-    max_concurrent_retries: int = field(default=64, metadata=_key("Envoy circuit breaker max_retries", lo=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +340,8 @@ class ToolsPolicy:
 
 @dataclass(frozen=True, slots=True)
 class LivenessPolicy:
-    """Path liveness, from the replica side's progress reports."""
+    """Liveness signals beside the registry's heartbeats: the replica side's progress reports, and the
+    sidecar's own health probe of static replicas (no agent, no heartbeat)."""
 
     progress_gap_seconds: float = field(
         default=3.0,
@@ -344,6 +350,16 @@ class LivenessPolicy:
             lo=0,
             open_lo=True,
         ),
+    )
+    static_probe_interval_seconds: float = field(
+        default=1.0,
+        metadata=_key(
+            "how often the sidecar probes each static replica's /health (also its timeout)", lo=0.1, hi=60
+        ),
+    )
+    static_probe_failures: int = field(
+        default=2,
+        metadata=_key("failed /health probes in a row after which a static replica is lost", lo=1, hi=10),
     )
 
 

@@ -1,28 +1,43 @@
 """The logical-request machine: what the user asked for once, as seen by the DOWNSTREAM filter.
 
-Sans-IO, like `attempt.py`. It owns the phase (prefill → decode → terminal), the retry decision for a
-failed attempt, the delivered-token count, and what the client receives after the first delta: the
-rest of one attempt's events, ending either in `[DONE]` or in exactly one terminal error frame.
+Sans-IO, like `attempt.py`. It owns the phase (prefill → decode → terminal), the delivered-token count,
+and what the client receives: the response of the one attempt that was released, ending in `[DONE]` or in
+exactly one terminal error frame; or, when no attempt was released, one JSON error naming the request and
+why — never a dead attempt's bytes, whatever Envoy decided about a retry. The attempts themselves and the
+retry decisions live in `attempt.py` (`RetryGate`); this machine reads them.
 
-The boundary is delivery, not generation: `phase` turns to DECODE when this direction forwards the
-first content event towards the client, and from then on no retry is ever allowed.
+The boundary is delivery, not generation: `phase` turns to DECODE when this direction forwards the first
+content event towards the client, and from then on no retry is ever allowed.
+
+One verb: `handle(input) -> decision`. Inputs are named by cause (below).
 """
 
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from router_sidecar.core.attempt import AttemptFailed, is_event_stream
-from router_sidecar.core.events import Event, EventName
+from router_sidecar.core.attempt import (
+    COMPLETE_FINISH_REASONS,
+    AttemptState,
+    FailRequest,
+    RetryGate,
+    Superseded,
+    is_event_stream,
+)
+from router_sidecar.core.events import Event, EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest
 from router_sidecar.core.policy import Policy
-from router_sidecar.core.sse import EventKind, SseScanner, terminal_error_frame
-
-if TYPE_CHECKING:
-    from router_sidecar.coordination.fencing import AttemptLease
+from router_sidecar.core.sse import (
+    DONE_EVENT,
+    AbortScan,
+    EventKind,
+    SseEvent,
+    SseScanner,
+    UsageTail,
+    terminal_error_frame,
+)
 
 
 class Phase(enum.StrEnum):
@@ -40,66 +55,83 @@ TERMINAL_PHASES = frozenset(
 )
 
 
-class Outcome(enum.StrEnum):
-    """The terminal outcome code of a logical request (journal `outcome`)."""
-
-    COMPLETED = "completed"
-    UPSTREAM_DECODE_INTERRUPTED = "upstream_decode_interrupted"
-    CLIENT_DISCONNECTED = "client_disconnected"
-    RETRIES_EXHAUSTED = "retries_exhausted"
-    RETRY_NOT_ALLOWED = "retry_not_allowed"
-    FENCE_UNPROVABLE = "fence_unprovable"
-    NO_COMPATIBLE_REPLICA = "no_compatible_replica"
-    UPSTREAM_ERROR = "upstream_error"
-    INVALID_REQUEST = "invalid_request"
-
-
 class DownstreamLoss(enum.StrEnum):
     """Why the client-facing stream ended without our doing (from Envoy's access log flags)."""
 
     CLIENT_GONE = "client_gone"
     UPSTREAM_RESET = "upstream_reset"
+    DEADLINE = "deadline"  # Envoy's own timeout (the backstop behind the sidecar's deadline)
+    ENVOY_EXITED = "envoy_exited"  # the gateway's Envoy died (and was restarted) under the stream
     UNKNOWN = "unknown"
 
 
-@dataclass(slots=True)
-class AttemptRecord:
-    number: int
-    attempt_id: str
-    replica: str
-    outcome: str | None = None
-    detail: str | None = None
-    lease: AttemptLease | None = None  # its right to publish (fencing.py)
-    fence: dict[str, Any] | None = None  # how it was fenced, when it was
+# --- inputs (named by cause) -------------------------------------------------------------------------
 
-    def as_record(self) -> dict[str, Any]:
-        return {
-            "attempt": self.number,
-            "attempt_id": self.attempt_id,
-            "replica": self.replica,
-            "outcome": self.outcome,
-            "detail": self.detail,
-            "lease": self.lease.as_record() if self.lease else None,
-            "fence": self.fence,
-        }
 
+@dataclass(frozen=True, slots=True)
+class ResponseStarted:
+    """Response headers on their way to the client. `details` is Envoy's response code details
+    ("via_upstream" for a replica's own answer; otherwise Envoy answered itself: no host, connect failure,
+    a retry it refused, a timeout), `flags` its response flags (UO, UH, URX, UT, …)."""
+
+    status: int
+    content_type: str = ""
+    flags: frozenset[str] = frozenset()
+    details: str = ""
+    # Why a pinned request has nowhere to go (the shell asks the registry), for Envoy's "no host" answers.
+    no_compatible_replica: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseChunk:
+    chunk: bytes
+    end_of_stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherLost:
+    """After the first delta the publishing attempt lost its right to publish: `cause` is heartbeat_lapsed,
+    progress_gap or lease_lost."""
+
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineReached:
+    """The gateway's own deadline for this request (deadlines.request_seconds from admission) fired."""
+
+
+@dataclass(frozen=True, slots=True)
+class DownstreamLost:
+    cause: DownstreamLoss
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallNoted:
+    """A tool call made on behalf of this request (claimed, executed, replayed, refused, …)."""
+
+    name: EventName
+    key: str
+    attempt: int | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+Input = ResponseStarted | ResponseChunk | PublisherLost | DeadlineReached | DownstreamLost | ToolCallNoted
 
 # --- decisions ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class TriggerRetry:
-    """Answer the held response headers with `:status 503` so Envoy's router retries elsewhere."""
-
-    reason: str
+class PassResponse:
+    """Let the response headers through (the shell adds `x-request-id`)."""
 
 
 @dataclass(frozen=True, slots=True)
-class FailRequest:
-    """No retry: answer the client with a real HTTP error before any byte of the body went out."""
+class ReplaceResponse:
+    """These headers belong to no released attempt: answer the client with this error instead, and drop
+    every byte of the response they start."""
 
-    status: int
-    body: bytes
+    verdict: FailRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,19 +147,44 @@ class Terminate:
     data: bytes
 
 
-BodyDecision = Forward | Terminate
+@dataclass(frozen=True, slots=True)
+class FailNow:
+    """No response has started yet: answer the client with this error at once (Envoy then resets the
+    upstream request, which cancels whatever attempt is held)."""
+
+    verdict: FailRequest
+
+
+@dataclass(frozen=True, slots=True)
+class NoAction:
+    pass
+
+
+Decision = PassResponse | ReplaceResponse | Forward | Terminate | FailNow | NoAction
+NO_ACTION = NoAction()
+
+_PUBLISHER_LOST = {
+    "heartbeat_lapsed": "the replica's heartbeat lapsed after the first delta; its attempt was fenced",
+    "progress_gap": "the replica's bytes stopped arriving after the first delta; its attempt was fenced",
+    "lease_lost": "the attempt's lease could not be kept after the first delta: it lost its right to publish",
+}
 
 
 @dataclass(slots=True)
-class _ResponseDirection:
-    status: int | None = None
+class _Response:
+    """The response towards the client, as this direction has seen it."""
+
+    status: int | None = None  # None: no response headers yet
     streaming: bool = False
+    replaced: bool = False  # its headers were answered with our error: drop everything it sends
     scanner: SseScanner = field(default_factory=SseScanner)
+    usage_tail: UsageTail = field(default_factory=UsageTail)
+    abort_scan: AbortScan = field(default_factory=AbortScan)
     done_seen: bool = False
+    finished: bool = False  # a completing finish_reason was forwarded
     content_events: int = 0
     usage_tokens: int | None = None
     ended: bool = False
-    non_stream_body: bytearray = field(default_factory=bytearray)
 
 
 class LogicalRequest:
@@ -138,21 +195,19 @@ class LogicalRequest:
         self.policy = policy
         self.phase = Phase.PREFILL
         self.outcome: Outcome | None = None
-        self.first_delta_sent = False
-        self.attempts: list[AttemptRecord] = []
         self.model_revision: str | None = None
         self.fingerprint_digest: str | None = None  # the compatibility group every attempt is pinned to
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
+        self.tool_calls_dropped = 0  # beyond tools.max_calls_per_request: counted, not listed
+        self.outbox: list[Event] = []
+        self.gate = RetryGate(policy, self.outbox, self._failed)
         cap = policy.reprefill_cost_cap.max_prompt_tokens
-        # Why no retry may ever start for this request (None: retries allowed within the budget).
-        self.retry_blocked: str | None = None
         if parsed.estimated_prompt_tokens > cap:
-            self.retry_blocked = (
+            self.gate.block(
                 f"the prompt (~{parsed.estimated_prompt_tokens} tokens) exceeds the re-prefill cost cap "
                 f"({cap}), so it is not retried"
             )
-        self._response = _ResponseDirection()
-        self._outbox: list[Event] = []
+        self._response = _Response(scanner=SseScanner(max_event_bytes=policy.limits.max_event_bytes))
         self._emit(
             EventName.REQUEST_ACCEPTED,
             route=parsed.kind.value,
@@ -161,26 +216,34 @@ class LogicalRequest:
             seed=parsed.seed,
             input_digest=parsed.input_digest,
             estimated_prompt_tokens=parsed.estimated_prompt_tokens,
-            retry_allowed=self.retry_allowed,
+            retry_allowed=self.gate.retry_blocked is None,
         )
 
     # --- derived facts ---------------------------------------------------------------------------------
 
     @property
-    def retry_allowed(self) -> bool:
-        return self.retry_blocked is None
-
-    def block_retries(self, reason: str) -> None:
-        self.retry_blocked = self.retry_blocked or reason
+    def attempts(self) -> list[Any]:
+        return self.gate.attempts
 
     @property
-    def max_attempts(self) -> int:
-        return self.policy.on_upstream_failure.before_first_delta.max_attempts if self.retry_allowed else 1
+    def first_delta_sent(self) -> bool:
+        """The write-ahead fact: content of an attempt may have reached the client (so no retry, ever).
+        False again if Envoy retried after all: the release never reached its router."""
+        return self._response.content_events > 0 or any(
+            a.first_delta and a.state in (AttemptState.WRITING_AHEAD, AttemptState.RELEASED)
+            for a in self.gate.attempts
+        )
+
+    @property
+    def publisher(self) -> Any:
+        """The attempt whose bytes go to the client (released at its first delta), if any."""
+        last = self.gate.attempts[-1] if self.gate.attempts else None
+        return last if last is not None and last.state is AttemptState.RELEASED else None
 
     @property
     def retry_budget(self) -> int:
         """Retries still allowed (the article's `retry_budget`)."""
-        return max(0, self.max_attempts - len(self.attempts)) if self.phase is Phase.PREFILL else 0
+        return self.gate.retries_left if self.phase is Phase.PREFILL else 0
 
     @property
     def delivered_output_tokens(self) -> int:
@@ -196,161 +259,119 @@ class LogicalRequest:
         return self.phase in TERMINAL_PHASES
 
     def drain_events(self) -> list[Event]:
-        events, self._outbox = self._outbox, []
+        events, self.outbox[:] = list(self.outbox), []
         return events
-
-    # --- attempts (driven by the upstream filter) ------------------------------------------------------
-
-    def begin_attempt(self, attempt_id: str, replica: str) -> AttemptRecord:
-        record = AttemptRecord(number=len(self.attempts) + 1, attempt_id=attempt_id, replica=replica)
-        if self.attempts:
-            previous = self.attempts[-1]
-            if previous.outcome is None:  # Envoy retried on its own (reset/refused) before we heard of it
-                previous.outcome, previous.detail = "failed", "connection_lost"
-            elif previous.outcome == "released":
-                # The replica reset while our release was on its way: Envoy's router retries only while
-                # no response byte went downstream, so the write-ahead `first_delta_sent` never came true.
-                previous.outcome, previous.detail = "failed", "lost_before_release"
-                self.first_delta_sent = False
-                self._emit(
-                    EventName.ATTEMPT_FAILED,
-                    previous.number,
-                    reason="lost_before_release",
-                    detail="replica reset before the released headers reached the router",
-                )
-        self.attempts.append(record)
-        self._emit(EventName.ATTEMPT_STARTED, record.number, attempt_id=attempt_id, replica=replica)
-        return record
-
-    def on_attempt_lost(self, record: AttemptRecord, failure: AttemptFailed) -> None:
-        """Envoy tore the attempt down (reset/refused/client gone): Envoy's router decides what follows."""
-        record.outcome, record.detail = "failed", failure.reason.value
-        self._emit(
-            EventName.ATTEMPT_FAILED, record.number, reason=failure.reason.value, detail=failure.detail
-        )
-
-    def on_attempt_fenced(self, record: AttemptRecord, proof: str | None, waited_seconds: float) -> None:
-        record.fence = {"proof": proof, "waited_ms": round(waited_seconds * 1000, 1)}
-        self._emit(
-            EventName.ATTEMPT_FENCED,
-            record.number,
-            attempt_id=record.attempt_id,
-            proof=proof,
-            waited_ms=record.fence["waited_ms"],
-        )
-
-    def on_replica_lost(self, record: AttemptRecord) -> None:
-        self._emit(EventName.REPLICA_LOST, record.number, replica=record.replica, phase=self.phase.value)
-
-    @property
-    def publisher(self) -> AttemptRecord | None:
-        """The attempt whose bytes go to the client (released at its first delta), if any."""
-        last = self.attempts[-1] if self.attempts else None
-        return last if last is not None and last.outcome == "released" else None
-
-    def on_publisher_lost(self) -> Terminate | None:
-        """After the first delta the publishing replica's heartbeat lapsed: end the stream, never retry."""
-        if self.phase is not Phase.DECODE or self._response.ended:
-            return None
-        return self._terminate(
-            [], "the replica's heartbeat lapsed after the first delta; its attempt was fenced"
-        )
 
     def pin(self, fingerprint_digest: str, model_revision: str | None) -> None:
         self.fingerprint_digest, self.model_revision = fingerprint_digest, model_revision
 
-    def on_attempt_failed(
-        self,
-        record: AttemptRecord,
-        failure: AttemptFailed,
-        *,
-        fence_proven: bool = True,
-        no_compatible_replica: str | None = None,
-    ) -> TriggerRetry | FailRequest:
-        """A held attempt failed in a way the sidecar saw: retry elsewhere, or answer a real error.
-
-        `fence_proven` is false when the attempt's liveness was uncertain and its fence could not be
-        proven (no lease: etcd was unreachable): then no other attempt may start.
-        """
-        self.on_attempt_lost(record, failure)
-        if not fence_proven:
-            why = "the failed attempt may still be running and its fence cannot be proven (etcd unreachable)"
-            self._emit(EventName.RETRY_REFUSED, record.number, reason=Outcome.FENCE_UNPROVABLE.value)
-            self._finish(Phase.FAILED, Outcome.FENCE_UNPROVABLE)
-            return FailRequest(
-                status=503, body=self.error_body(Outcome.FENCE_UNPROVABLE, why, retryable=True)
-            )
-        if self.phase is not Phase.PREFILL:
-            # Unreachable by construction (attempts only fail while held), kept as a hard guard.
-            raise RuntimeError("an attempt failed after the first delta was delivered")
-        if record.number < self.max_attempts and no_compatible_replica is not None:
-            self._emit(EventName.RETRY_REFUSED, record.number, reason=Outcome.NO_COMPATIBLE_REPLICA.value)
-            self._finish(Phase.FAILED, Outcome.NO_COMPATIBLE_REPLICA)
-            why = f"no compatible replica is left to retry on: {no_compatible_replica}"
-            return FailRequest(
-                status=503, body=self.error_body(Outcome.NO_COMPATIBLE_REPLICA, why, retryable=True)
-            )
-        if record.number < self.max_attempts:
-            self._emit(EventName.RETRY_TRIGGERED, record.number, reason=failure.reason.value)
-            return TriggerRetry(failure.reason.value)
-        return self._refuse_retry(record.number)
-
-    def admits_attempt(self) -> bool:
-        """Envoy retries resets on its own; the sidecar still decides whether another attempt may start."""
-        return self.phase is Phase.PREFILL and len(self.attempts) < self.max_attempts
-
-    def refuse_attempt(self) -> FailRequest:
-        """Envoy began an attempt beyond the budget (e.g. after a reset): end the request with an error."""
-        if self.attempts and self.attempts[-1].outcome is None:
-            self.attempts[-1].outcome, self.attempts[-1].detail = "failed", "connection_lost"
-        return self._refuse_retry(len(self.attempts))
-
-    def _refuse_retry(self, number: int) -> FailRequest:
-        if self.retry_blocked is not None:
-            code, why = Outcome.RETRY_NOT_ALLOWED, self.retry_blocked
-        else:
-            code, why = (
-                Outcome.RETRIES_EXHAUSTED,
-                f"all {self.max_attempts} attempts failed before any content",
-            )
-        self._emit(EventName.RETRY_REFUSED, number, reason=code.value)
-        self._finish(Phase.FAILED, code)
-        return FailRequest(status=502, body=self.error_body(code, why, retryable=True))
-
-    def on_attempt_released(self, record: AttemptRecord, *, first_delta: bool) -> None:
-        record.outcome = "released"
-        if first_delta:
-            self.first_delta_sent = True
-            self._emit(EventName.FIRST_DELTA_SENT, record.number, attempt_id=record.attempt_id)
-
-    def on_attempt_passed_through(self, record: AttemptRecord, status: int) -> None:
-        record.outcome, record.detail = "passed_through", f"status {status}"
-        self._emit(EventName.RESPONSE_PASSED_THROUGH, record.number, status=status)
-
     def attempt_number(self, attempt_id: str | None) -> int | None:
-        return next((a.number for a in self.attempts if a.attempt_id == attempt_id), None)
+        return next((a.number for a in self.gate.attempts if a.attempt_id == attempt_id), None)
 
-    def note_tool_call(self, name: EventName, key: str, attempt: int | None, **detail: Any) -> None:
-        """A tool call made on behalf of this request (claimed, executed, replayed, refused, …)."""
-        entry = self.tool_calls.setdefault(key, {"key": key, "events": []})
-        entry["events"].append({"event": name.value, "attempt": attempt, **detail})
-        self._emit(name, attempt, key=key, **detail)
+    # --- the one verb ----------------------------------------------------------------------------------
 
-    # --- the response towards the client (downstream filter) -------------------------------------------
+    def handle(self, event: Input) -> Decision:
+        if isinstance(event, ResponseChunk):  # first: every chunk of every stream comes this way
+            return self._chunk(event)
+        if isinstance(event, ResponseStarted):
+            return self._started(event)
+        if isinstance(event, PublisherLost):
+            return self._publisher_lost(event)
+        if isinstance(event, DeadlineReached):
+            return self._deadline()
+        if isinstance(event, DownstreamLost):
+            self._downstream_lost(event.cause)
+            return NO_ACTION
+        self._tool_call(event)
+        return NO_ACTION
 
-    def on_response_headers(self, status: int, content_type: str) -> None:
+    # --- response headers ------------------------------------------------------------------------------
+
+    def _started(self, e: ResponseStarted) -> Decision:
         r = self._response
-        r.status = status
-        r.streaming = status < 300 and is_event_stream(content_type)
+        r.status = e.status
+        last = self.gate.attempts[-1] if self.gate.attempts else None
+        released = last is not None and last.state in (AttemptState.RELEASED, AttemptState.PASSED_THROUGH)
+        from_replica = e.details in ("via_upstream", "")  # "": Envoy did not say; trust the release
+        if released and not from_replica and last is not None and last.state is AttemptState.RELEASED:
+            # We released it, but the replica reset before the release reached Envoy's router, which then
+            # answered itself: nothing of that attempt reached the client.
+            last.handle(Superseded())  # its lease is released when the request settles
+            released = False
+        if self.is_terminal and self.gate.final is not None and not from_replica:
+            # Refused already: whatever answer this is (ours from the upstream filter, or Envoy's after a
+            # reset it retried or not), the client gets the request's own error.
+            r.replaced = True
+            return ReplaceResponse(self.gate.final)
+        if self.is_terminal or released:
+            # Ours to pass: the released attempt's answer.
+            r.streaming = e.status < 300 and is_event_stream(e.content_type)
+            if not r.streaming and e.status < 300 and self.phase is Phase.PREFILL:
+                self.phase = Phase.DECODE  # a non-stream answer is delivered whole, as one delta
+            return PassResponse()
+        # Headers that no released attempt sent: a retry Envoy did not make (our 503 came back), or
+        # Envoy's own answer (no host, connect failure, deadline). Their body must not reach the client.
+        r.replaced = True
+        self._emit(
+            EventName.RESPONSE_REPLACED,
+            len(self.gate.attempts) or None,
+            status=e.status,
+            response_flags=sorted(e.flags),
+            details=e.details,
+        )
+        return ReplaceResponse(self.gate.finish(self._envoy_verdict(e)))
 
-    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> BodyDecision:
+    def _envoy_verdict(self, e: ResponseStarted) -> FailRequest:
+        attempts = len(self.gate.attempts)
+        flags = ",".join(sorted(e.flags)) or "none"
+        said = f"(Envoy: status {e.status}, response flags {flags}, details {e.details or 'none'})"
+        if "UO" in e.flags:
+            return FailRequest(
+                503,
+                Outcome.RETRY_BUDGET_EXHAUSTED,
+                f"attempt {attempts} failed before any content and the cluster's retry budget refused the "
+                f"retry (budgets.retry_budget_percent, min_retry_concurrency) {said}",
+            )
+        if "UT" in e.flags:
+            return FailRequest(
+                504,
+                Outcome.DEADLINE_EXCEEDED,
+                f"the gateway's request deadline (deadlines.request_seconds) fired before any content {said}",
+            )
+        if e.flags & {"UH", "NR"}:
+            if e.no_compatible_replica is not None:
+                return FailRequest(
+                    503,
+                    Outcome.NO_COMPATIBLE_REPLICA,
+                    f"no compatible replica is left to send the request to: {e.no_compatible_replica} {said}",
+                )
+            return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no healthy replica was available {said}")
+        if attempts == 0:
+            return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached {said}")
+        return FailRequest(
+            502,
+            Outcome.RETRIES_EXHAUSTED,
+            f"{attempts} attempt(s) failed before any content and Envoy made no further attempt {said}",
+        )
+
+    # --- response body ---------------------------------------------------------------------------------
+
+    def _chunk(self, e: ResponseChunk) -> Decision:
         r = self._response
-        if r.ended:
-            return Forward(b"", end_of_stream)
+        if r.ended or r.replaced:
+            return Forward(b"", e.end_of_stream) if not r.replaced else NO_ACTION
         if not r.streaming:
-            return self._non_stream_body(chunk, end_of_stream)
-        events = r.scanner.feed(chunk)
+            return self._non_stream_chunk(e)
+        whole = r.scanner.pending_size == 0  # nothing carried over: the chunk may be forwarded as it is
+        events = r.scanner.feed(e.chunk)
+        if e.end_of_stream:
+            events += r.scanner.close()  # a last event ended by a lone CR is complete now
         for index, event in enumerate(events):
+            if event.kind is EventKind.DONE:
+                # [DONE] ends the generation: anything the replica sends after it is not forwarded.
+                r.done_seen = r.ended = True
+                self._finish(Phase.COMPLETED, Outcome.COMPLETED)
+                return Forward(_join(events[: index + 1], e.chunk, whole), True)
             if self.phase is Phase.DECODE:
                 if event.kind is EventKind.ERROR:
                     return self._terminate(events[:index], "in-band error event after the first delta")
@@ -358,27 +379,89 @@ class LogicalRequest:
                     self._count(event)
                     return self._terminate(events[: index + 1], "finish_reason abort after the first delta")
             self._count(event)
-            if event.kind is EventKind.DONE:
-                r.done_seen = True
-        if end_of_stream:
-            if not r.done_seen and self.phase is Phase.DECODE:
+        if r.scanner.oversized:
+            limit = self.policy.limits.max_event_bytes
+            return self._terminate(
+                events, f"the replica sent an SSE event over limits.max_event_bytes ({limit})"
+            )
+        if e.end_of_stream:
+            if r.finished:
+                # Every content event and the finish were forwarded; only [DONE] was missing: complete.
+                r.ended = True
+                self._finish(Phase.COMPLETED, Outcome.COMPLETED)
+                return Forward(b"".join(ev.raw for ev in events) + DONE_EVENT, True)
+            if self.phase is Phase.DECODE:
                 return self._terminate(events, "upstream ended without [DONE]")
             r.ended = True
-            self._finish(
-                Phase.COMPLETED if r.done_seen else Phase.FAILED,
-                Outcome.COMPLETED if r.done_seen else Outcome.UPSTREAM_ERROR,
-            )
-            # An incomplete event left after [DONE] is not worth a client's parse error: drop it.
-            return Forward(_join(events, chunk, r.scanner.pending == b""), True)
-        return Forward(_join(events, chunk, r.scanner.pending == b""), False)
+            self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
+            return Forward(_join(events, e.chunk, whole), True)
+        return Forward(_join(events, e.chunk, whole), False)
 
-    def on_downstream_lost(self, cause: DownstreamLoss) -> None:
-        """The client-facing stream was torn down (client gone, or an upstream reset after headers)."""
+    def _non_stream_chunk(self, e: ResponseChunk) -> Forward:
+        r = self._response
+        ok = r.status is not None and r.status < 300
+        if ok:
+            r.usage_tail.feed(e.chunk)
+            r.abort_scan.feed(e.chunk)
+        if e.end_of_stream:
+            r.ended = True
+            if not ok:
+                self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
+            elif r.abort_scan.aborted:
+                # Released as it came (past the hold bound) and cut short by the engine: the client has it
+                # all, and it says so itself (finish_reason "abort"); the journal must not call it complete.
+                r.usage_tokens = r.usage_tail.completion_tokens()
+                self._emit(EventName.STREAM_TERMINATED, reason="finish_reason abort in a non-stream answer")
+                self._finish(Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+            else:
+                r.usage_tokens = r.usage_tail.completion_tokens()
+                self._finish(Phase.COMPLETED, Outcome.COMPLETED)
+        return Forward(e.chunk, e.end_of_stream)
+
+    # --- the stream ended without our doing, or must be ended by us ------------------------------------
+
+    def _publisher_lost(self, e: PublisherLost) -> Decision:
+        if self.phase is not Phase.DECODE or self._response.ended:
+            return NO_ACTION
+        self._emit(EventName.REPLICA_LOST, self.publisher.number if self.publisher else None, cause=e.cause)
+        why = _PUBLISHER_LOST.get(e.cause, e.cause)
+        return self._terminate([], why)
+
+    def _deadline(self) -> Decision:
+        if self.is_terminal or self._response.ended:
+            return NO_ACTION
+        seconds = self.policy.deadlines.request_seconds
+        why = f"the gateway's request deadline (deadlines.request_seconds = {seconds:g} s) fired"
+        if self._response.status is None:
+            return FailNow(
+                self.gate.finish(FailRequest(504, Outcome.DEADLINE_EXCEEDED, f"{why} before any content"))
+            )
+        return self._terminate([], why, outcome=Outcome.DEADLINE_EXCEEDED)
+
+    def _downstream_lost(self, cause: DownstreamLoss) -> None:
         if self.is_terminal:
             return
         if self._response.done_seen:
             # The client already has the whole generation ([DONE] went out); it just closed first.
             self._finish(Phase.COMPLETED, Outcome.COMPLETED)
+            return
+        if cause is DownstreamLoss.ENVOY_EXITED:
+            self._emit(
+                EventName.STREAM_RESET,
+                cause=cause.value,
+                delivered_output_tokens=self.delivered_output_tokens,
+            )
+            interrupted = self.phase is Phase.DECODE
+            self._finish(Phase.INTERRUPTED if interrupted else Phase.FAILED, Outcome.ENVOY_EXITED)
+            return
+        if cause is DownstreamLoss.UPSTREAM_RESET and self.phase is Phase.PREFILL:
+            # Envoy answered the client itself before any attempt's headers reached it (e.g. a replica's
+            # protocol error while the release was on its way; Envoy does not retry those).
+            last = self.gate.attempts[-1] if self.gate.attempts else None
+            if last is not None and last.state in (AttemptState.RELEASED, AttemptState.WRITING_AHEAD):
+                last.handle(Superseded())  # nothing of it reached the client
+            self._emit(EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=0)
+            self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
             return
         if cause is DownstreamLoss.CLIENT_GONE or self.phase is Phase.PREFILL:
             self._emit(EventName.CLIENT_DISCONNECTED, delivered_output_tokens=self.delivered_output_tokens)
@@ -387,129 +470,66 @@ class LogicalRequest:
         self._emit(
             EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=self.delivered_output_tokens
         )
-        self._finish(Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+        if cause is DownstreamLoss.DEADLINE:
+            self._finish(Phase.INTERRUPTED, Outcome.DEADLINE_EXCEEDED)
+        else:
+            self._finish(Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
 
-    # --- views -----------------------------------------------------------------------------------------
-
-    def error_body(self, code: Outcome, message: str, *, retryable: bool) -> bytes:
-        return json.dumps(
-            {
-                "error": {
-                    "code": code.value,
-                    "message": message,
-                    "type": "gateway_error",
-                    "request_id": self.request_id,
-                    "attempts": [a.as_record() for a in self.attempts],
-                    "partial_output": False,
-                    "retryable": retryable,
-                }
-            }
-        ).encode()
-
-    def journal_view(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "phase": self.phase.value,
-            "outcome": self.outcome.value if self.outcome else None,
-            "attempt": len(self.attempts),
-            "first_delta_sent": self.first_delta_sent,
-            "model": self.parsed.model,
-            "model_revision": self.model_revision,
-            "fingerprint_digest": self.fingerprint_digest,
-            "retry_budget": self.retry_budget,
-            "delivered_output_tokens": self.delivered_output_tokens,
-            "delivered_output_tokens_source": self.delivered_tokens_source,
-            "attempts": [a.as_record() for a in self.attempts],
-            "tool_calls": list(self.tool_calls.values()),
-            "input": {
-                "route": self.parsed.kind.value,
-                "digest": self.parsed.input_digest,
-                "seed": self.parsed.seed,
-                "stream": self.parsed.stream,
-                "estimated_prompt_tokens": self.parsed.estimated_prompt_tokens,
-            },
-        }
+    def _tool_call(self, e: ToolCallNoted) -> None:
+        entry = self.tool_calls.get(e.key)
+        if entry is None:
+            if len(self.tool_calls) >= self.policy.tools.max_calls_per_request:
+                self.tool_calls_dropped += 1
+                return
+            entry = self.tool_calls[e.key] = {"key": e.key, "events": []}
+        if len(entry["events"]) < 16:  # one key sees a handful of calls; a flood is not journaled whole
+            entry["events"].append({"event": e.name.value, "attempt": e.attempt, **e.detail})
+        self._emit(e.name, e.attempt, key=e.key, **e.detail)
 
     # --- internals -------------------------------------------------------------------------------------
 
-    def _count(self, event: Any) -> None:
+    def _count(self, event: SseEvent) -> None:
         r = self._response
         if event.kind is EventKind.CONTENT:
             r.content_events += 1
             if self.phase is Phase.PREFILL:
                 self.phase = Phase.DECODE
+        if event.finish_reason in COMPLETE_FINISH_REASONS:
+            r.finished = True
         if event.usage_completion_tokens is not None:
             r.usage_tokens = event.usage_completion_tokens
 
-    def _non_stream_body(self, chunk: bytes, end_of_stream: bool) -> Forward:
-        r = self._response
-        if r.status is not None and r.status < 300:
-            r.non_stream_body += chunk
-        if end_of_stream:
-            r.ended = True
-            ok = r.status is not None and r.status < 300
-            if ok:
-                self.phase = Phase.DECODE  # delivered whole, as one delta
-                r.usage_tokens = _completion_tokens(bytes(r.non_stream_body))
-                self._finish(Phase.COMPLETED, Outcome.COMPLETED)
-            elif (
-                self.attempts
-                and len(self.attempts) >= self.max_attempts
-                and r.status is not None
-                and r.status >= 500
-            ):
-                self._finish(Phase.FAILED, Outcome.RETRIES_EXHAUSTED)
-            else:
-                self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
-        return Forward(chunk, end_of_stream)
-
-    def _terminate(self, delivered: list[Any], why: str) -> Terminate:
+    def _terminate(
+        self, delivered: list[SseEvent], why: str, outcome: Outcome = Outcome.UPSTREAM_DECODE_INTERRUPTED
+    ) -> Terminate:
         r = self._response
         r.ended = True
         self._emit(
             EventName.STREAM_TERMINATED, reason=why, delivered_output_tokens=self.delivered_output_tokens
         )
-        self._finish(Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
-        frame = terminal_error_frame(self.request_id, self.delivered_output_tokens)
+        self._finish(Phase.INTERRUPTED, outcome)
+        frame = terminal_error_frame(self.request_id, self.delivered_output_tokens, why)
         return Terminate(b"".join(e.raw for e in delivered) + frame)
+
+    def _failed(self, verdict: FailRequest) -> None:
+        """The retry gate refused any further attempt: the request ends with its error."""
+        self._finish(Phase.FAILED, Outcome(verdict.code))
 
     def _finish(self, phase: Phase, outcome: Outcome) -> None:
         if self.is_terminal:
             return
-        if self.phase is Phase.PREFILL and self.first_delta_sent:
-            # The write-ahead said "may be delivered", but the release never reached the client (the
-            # replica reset first and Envoy answered instead): record what the client actually got.
-            self.first_delta_sent = False
-            for attempt in self.attempts:
-                if attempt.outcome == "released":
-                    attempt.outcome, attempt.detail = "failed", "lost_before_release"
         self.phase, self.outcome = phase, outcome
-        if (
-            phase in (Phase.INTERRUPTED, Phase.CANCELLED)
-            and self.attempts
-            and self.attempts[-1].outcome == "released"
-        ):
-            self.attempts[-1].outcome = phase.value  # the attempt that was publishing did not finish
         if phase is Phase.COMPLETED:
             self._emit(EventName.STREAM_COMPLETED, delivered_output_tokens=self.delivered_output_tokens)
         elif phase is Phase.FAILED:
             self._emit(EventName.REQUEST_FAILED, outcome=outcome.value)
 
     def _emit(self, name: EventName, attempt: int | None = None, **detail: Any) -> None:
-        self._outbox.append(Event(name, attempt, detail))
+        self.outbox.append(Event(name, attempt, detail))
 
 
-def _join(events: list[Any], chunk: bytes, chunk_is_whole_events: bool) -> bytes:
-    # Fast path: the chunk was exactly whole events (the common case), forward it without copying.
-    if chunk_is_whole_events and len(events) > 0 and sum(len(e.raw) for e in events) == len(chunk):
+def _join(events: list[SseEvent], chunk: bytes, whole: bool) -> bytes:
+    # Fast path: the chunk was exactly these whole events (the common case), forward it without copying.
+    if whole and sum(len(e.raw) for e in events) == len(chunk):
         return chunk
     return b"".join(e.raw for e in events)
-
-
-def _completion_tokens(body: bytes) -> int | None:
-    try:
-        usage = json.loads(body).get("usage") or {}
-        tokens = usage.get("completion_tokens")
-        return tokens if isinstance(tokens, int) else None
-    except (ValueError, AttributeError):
-        return None

@@ -440,6 +440,29 @@ class SseScanner:
 _BACKSLASH = ord("\\")
 
 
+_ABORT_RE = re.compile(rb'"(?<!\\")finish_reason"\s*:\s*"abort"')
+_ABORT_CARRY = 64  # longer than the key, its colon, spaces and the value: a split match is still seen
+
+
+class AbortScan:
+    """Whether a non-stream body says `finish_reason: "abort"` anywhere: the engine cut the answer short (it
+    was shutting down), which is an interruption, not a completion. O(size), O(1) memory."""
+
+    __slots__ = ("_carry", "aborted")
+
+    def __init__(self) -> None:
+        self._carry = b""
+        self.aborted = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.aborted or not chunk:
+            return
+        data = self._carry + chunk if self._carry else chunk
+        if _ABORT_RE.search(data):
+            self.aborted = True
+        self._carry = data[-_ABORT_CARRY:]
+
+
 class UsageTail:
     """``usage.completion_tokens`` of a non-stream JSON body, read as it passes, in bounded memory.
 

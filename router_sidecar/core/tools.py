@@ -24,7 +24,6 @@ from typing import Any
 REPLAY_HEADER = "x-idempotent-replay"
 RETRIABLE_HEADER = "x-tool-retriable"  # a tool's way to say "this 5xx did not execute anything"
 STORED_HEADERS = ("content-type",)
-TOOLS_PREFIX = "/tools/"
 
 
 class ToolState(enum.StrEnum):
@@ -58,8 +57,14 @@ class StillRunning:
     deadline: float
 
 
-def body_digest(body: bytes) -> str:
-    return "sha256:" + hashlib.sha256(body).hexdigest()
+def call_digest(method: str, path: str, body: bytes) -> str:
+    """What one key names: the whole call, not only its body. The same body sent to another path
+    (`/refund` after `/charge`), with another query string or method, is another action."""
+    h = hashlib.sha256()
+    for part in (method.encode(), path.encode("utf-8", "surrogateescape"), body):
+        h.update(len(part).to_bytes(8, "big"))  # length-prefixed: no two calls share a serialisation
+        h.update(part)
+    return "sha256:" + h.hexdigest()
 
 
 def claim_record(
@@ -68,6 +73,7 @@ def claim_record(
     request_id: str | None,
     attempt_id: str | None,
     digest: str,
+    call: str,
     now: float,
     deadline: float,
     gateway: str,
@@ -75,9 +81,10 @@ def claim_record(
     return {
         "state": ToolState.IN_PROGRESS.value,
         "key": key,
+        "call": call,  # "METHOD /path?query", to name the action a key is bound to in a 422
         "request_id": request_id,
         "attempt_id": attempt_id,
-        "body_digest": digest,
+        "call_digest": digest,
         "claimed_at": round(now, 6),
         "deadline": round(deadline, 6),
         "gateway": gateway,
@@ -86,11 +93,12 @@ def claim_record(
 
 def answer_for_existing(record: dict[str, Any], digest: str, now: float) -> Replay | Refuse | StillRunning:
     """What a call finds when its key is already taken (by the same tenant)."""
-    if record.get("body_digest") != digest:
+    if record.get("call_digest") != digest:
         return Refuse(
             422,
             "idempotency_key_reused",
-            "this Idempotency-Key was used with a different request body; a key names one action",
+            f"this Idempotency-Key is bound to another call ({record.get('call', 'unknown')}): a key names "
+            "one action, i.e. one method, path, query string and body. Use a new key for another action.",
         )
     state = record.get("state")
     if state == ToolState.COMPLETED:

@@ -1,33 +1,35 @@
 """The DOWNSTREAM placement (HTTP connection manager chain): one stream per client request.
 
-Request side: admit or reject the request (parse, id, internal headers, idempotency claim), or answer a
-journal look-up. Response side (FULL_DUPLEX_STREAMED): every chunk goes through `LogicalRequest`, which
-decides what the client receives; this is the only place that ever ends the client stream early.
+The route is classified once, at the request headers (`core/routes.py`), and one processor handles the
+whole stream, as Envoy AI Gateway picks one processor per route: inference (admission, then every response
+chunk through the `LogicalRequest` machine — the only place that ever ends a client stream early), a tool
+call (idempotency by key), a journal look-up, a rejection, or a plain pass-through. The response body is
+FULL_DUPLEX_STREAMED for every route, so each processor answers every chunk with the bytes to forward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import hashlib
+import hmac
 import json
 import logging
-import re
 import secrets
 import time
-import urllib.parse
 
 import grpc
 from google.protobuf.struct_pb2 import Struct
 
 from router_sidecar.coordination.journal import ClaimConflict
 from router_sidecar.coordination.store import StoreUnavailable
-from router_sidecar.core.openai_api import RequestRejected, RouteKind, parse_request, route_kind
-from router_sidecar.core.request import DownstreamLoss, Forward, LogicalRequest, Phase
-from router_sidecar.core.tools import TOOLS_PREFIX
+from router_sidecar.core import request as r
+from router_sidecar.core import views
+from router_sidecar.core.attempt import FailRequest
+from router_sidecar.core.openai_api import RequestRejected
+from router_sidecar.core.routes import LOOKUP_PREFIX, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.discovery import choose_pin, pin_metadata
+from router_sidecar.extproc.discovery import choose_pin, pin_metadata, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.tool_calls import ToolCallStream
@@ -37,33 +39,35 @@ log = logging.getLogger(__name__)
 # Headers a client may not set: they carry the gateway's own facts to the replicas.
 INTERNAL_HEADER_PREFIXES = ("x-attempt-", "x-fencing-", "x-router-sidecar-", "x-envoy-")
 INTERNAL_HEADERS = frozenset({"x-attempt-id", "x-fencing-token", "x-sim-replica"})
-_IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
-LOOKUP_PREFIX = "/v1/requests/"
+# The gateway reads every inference response: it never asks a replica for a compressed one.
+INFERENCE_STRIPPED = frozenset({"accept-encoding"})
 # How long a torn-down stream waits for Envoy's access-log entry that says who tore it down.
 ACCESS_LOG_WAIT_SECONDS = 1.0
-
-
-class DownstreamState(enum.Enum):
-    AWAITING_REQUEST_HEADERS = "awaiting_request_headers"
-    AWAITING_REQUEST_BODY = "awaiting_request_body"
-    TRACKING = "tracking"  # an admitted logical request: the response goes through its machine
-    PASS_THROUGH = "pass_through"  # not an inference call (e.g. /v1/models): forwarded untouched
-    TOOL_CALL = "tool_call"  # a call to a tool route, under idempotency by key
-    ANSWERED = "answered"  # we replied ourselves (rejection, look-up)
+ANONYMOUS = "anonymous"
 
 
 def new_request_id() -> str:
     return f"req_{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
 
 
-def tenant_of(headers: dict[str, str]) -> str:
-    """Idempotency and journal records are scoped to the caller's credential, never shared across it."""
+def tenant_of(headers: dict[str, str], secret: bytes) -> str:
+    """Idempotency and journal records are scoped to the caller's credential, never shared across it. The
+    digest is an etcd key segment: keyed with the deployment's secret, it says nothing about the credential
+    to whoever can list keys."""
     credential = headers.get("authorization") or headers.get("x-api-key")
-    return hashlib.sha256(credential.encode()).hexdigest()[:20] if credential else "anonymous"
+    if not credential:
+        return ANONYMOUS
+    return hmac.new(secret, credential.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[:32]
 
 
 def _error(
-    status: int, code: str, message: str, request_id: str | None, **extra: object
+    status: int,
+    code: str,
+    message: str,
+    request_id: str | None,
+    *,
+    headers: tuple[tuple[str, str], ...] = (),
+    **extra: object,
 ) -> m.ProcessingResponse:
     body = {
         "error": {
@@ -74,161 +78,102 @@ def _error(
             **extra,
         }
     }
-    headers = [("x-request-id", request_id)] if request_id else []
-    return m.immediate(status, json.dumps(body).encode(), extra_headers=headers)
+    extra_headers = [*headers, *([("x-request-id", request_id)] if request_id else [])]
+    return m.immediate(status, json.dumps(body).encode(), extra_headers=extra_headers)
 
 
-class DownstreamStream:
-    def __init__(self, services: Services) -> None:
-        self._policy = services.policy
-        self._registry = services.registry
-        self._journal = services.journal
-        self._ledger = services.ledger
-        self._leases = services.leases
-        self._liveness = services.liveness
-        self._progress = services.progress
-        self._discovery = services.discovery
-        self._gateway_id = services.gateway_id
-        self._tool: ToolCallStream | None = None
-        self._context: grpc.aio.ServicerContext | None = None
-        self._write_lock = asyncio.Lock()  # replies to Envoy's messages and our own (fence) writes
-        self._ended_by_us = False  # we sent end_of_stream: nothing more goes to the client
-        self.state = DownstreamState.AWAITING_REQUEST_HEADERS
-        self._request_id: str | None = None
-        self._tenant = "anonymous"
-        self._kind: RouteKind | None = None
-        self._live: Live | None = None
+class _Writer:
+    """Replies to Envoy's messages and our own unsolicited writes (terminal frames), in order."""
 
-    async def run(self, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
+        self._lock = asyncio.Lock()
+        self.ended_by_us = False  # we sent end_of_stream: nothing more goes to the client
+
+    async def write(self, reply: m.ProcessingResponse | None, *, ends_stream: bool = False) -> None:
+        if reply is None:
+            return
+        async with self._lock:
+            if self.ended_by_us:
+                return
+            self.ended_by_us = ends_stream
+            with contextlib.suppress(grpc.aio.UsageError, asyncio.InvalidStateError):
+                await self._context.write(reply)
+
+
+class PassThrough:
+    """Not ours to judge (e.g. /v1/models, /v1/embeddings): every message continues unchanged."""
+
+    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+        return m.request_body_reply()
+
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+        return m.response_headers_reply()
+
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+        return m.streamed_body(chunk, end_of_stream)
+
+    def on_stream_end(self) -> None:
+        pass
+
+
+class ToolCall(PassThrough):
+    def __init__(self, stream: ToolCallStream) -> None:
+        self._stream = stream
+
+    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+        return await self._stream.on_request_body(body) or m.request_body_reply()
+
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+        code_details = str(m.attributes(message).get("response.code_details", ""))
+        self._stream.on_response_headers(m.header_map(message.response_headers), code_details)
+        return m.response_headers_reply()
+
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+        return await self._stream.on_response_body(chunk, end_of_stream)
+
+    def on_stream_end(self) -> None:
+        asyncio.get_running_loop().create_task(self._stream.on_stream_end())
+
+
+class Inference(PassThrough):
+    """An admitted inference request: admission at its body, then its response through the machine."""
+
+    def __init__(
+        self, services: Services, writer: _Writer, route: Route, request_id: str, tenant: str
+    ) -> None:
+        self._services = services
+        self._writer = writer
+        self._route = route
+        self._request_id = request_id
+        self._tenant = tenant
+        self._live: Live | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._replacement: bytes | None = None  # our error body, sent instead of the response's own
+
+    # --- admission -------------------------------------------------------------------------------------
+
+    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+        services, request_id = self._services, self._request_id
+        policy = services.policy
+        assert self._route.api is not None
         try:
-            while True:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    break
-                reply = await self._handle(message)
-                if reply is not None:
-                    async with self._write_lock:
-                        if not self._ended_by_us:
-                            await context.write(reply)
-        finally:
-            # Possibly cancelled here: settle the outcome in a task of its own.
-            if self._live is not None:
-                asyncio.get_running_loop().create_task(self._settle(self._live))
-            if self._tool is not None:
-                asyncio.get_running_loop().create_task(self._tool.on_stream_end())
-
-    async def _handle(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
-        which = message.WhichOneof("request")
-        if which == "request_headers":
-            return await self._on_request_headers(message.request_headers)
-        if which == "request_body":
-            return await self._on_request_body(message.request_body.body)
-        if which == "response_headers":
-            if self._tool is not None:
-                code_details = str(m.attributes(message).get("response.code_details", ""))
-                self._tool.on_response_headers(m.header_map(message.response_headers), code_details)
-                return m.response_headers_reply()
-            return self._on_response_headers(m.header_map(message.response_headers))
-        if which == "response_body":
-            body = message.response_body
-            if self._tool is not None:
-                return await self._tool.on_response_body(body.body, body.end_of_stream)
-            return self._on_response_body(body.body, body.end_of_stream)
-        if which == "response_trailers":
-            return m.RESPONSE_TRAILERS_CONTINUE
-        return None
-
-    # --- request side ------------------------------------------------------------------------------------
-
-    async def _on_request_headers(self, message: m.ep.HttpHeaders) -> m.ProcessingResponse:
-        headers = m.header_map(message)
-        method, path = headers.get(":method", ""), headers.get(":path", "")
-        self._tenant = tenant_of(headers)
-        strip = [h for h in headers if h in INTERNAL_HEADERS or h.startswith(INTERNAL_HEADER_PREFIXES)]
-        if method == "GET" and path.startswith(LOOKUP_PREFIX):
-            self.state = DownstreamState.ANSWERED
-            return await self._lookup(urllib.parse.unquote(path[len(LOOKUP_PREFIX) :].split("?", 1)[0]))
-        if path.startswith(TOOLS_PREFIX) and method not in ("GET", "HEAD"):
-            return await self._on_tool_call_headers(message, headers, strip)
-        self._kind = route_kind(path) if method == "POST" else None
-        if self._kind is None:
-            self.state = DownstreamState.PASS_THROUGH
-            return m.request_headers_reply(m.header_mutation(remove=strip))
-        key = headers.get("idempotency-key")
-        if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
-            self.state = DownstreamState.ANSWERED
-            return _error(
-                400,
-                "invalid_idempotency_key",
-                "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
-                None,
-            )
-        self._request_id = key or new_request_id()
-        if message.end_of_stream:
-            self.state = DownstreamState.ANSWERED
-            return _error(
-                400, "invalid_json", "the request has no body; send a JSON object", self._request_id
-            )
-        self.state = DownstreamState.AWAITING_REQUEST_BODY
-        return m.request_headers_reply(m.header_mutation([("x-request-id", self._request_id)], strip))
-
-    async def _on_tool_call_headers(
-        self, message: m.ep.HttpHeaders, headers: dict[str, str], strip: list[str]
-    ) -> m.ProcessingResponse:
-        key = headers.get("idempotency-key")
-        if key is None or not _IDEMPOTENCY_KEY.fullmatch(key):
-            self.state = DownstreamState.ANSWERED
-            return _error(
-                428,
-                "idempotency_key_required",
-                "tool calls through the gateway need an Idempotency-Key (1-200 characters of "
-                "A-Z a-z 0-9 . _ : ~ -) derived from the logical action, e.g. {request_id}:call_01",
-                None,
-            )
-        self._tool = ToolCallStream(
-            ledger=self._ledger,
-            policy=self._policy.tools,
-            registry=self._registry,
-            journal=self._journal,
-            tenant=self._tenant,
-            key=key,
-            caller_attempt_id=headers.get("x-attempt-id"),
-            gateway_id=self._gateway_id,
-        )
-        self.state = DownstreamState.TOOL_CALL
-        if message.end_of_stream:
-            answer = await self._tool.on_request_body(b"")
-            if answer is not None:
-                return answer
-        # The tool learns the caller's attempt only as the gateway vouches for it (a live attempt of the
-        # request named by the key), never as the caller claims it.
-        vouched = [("x-attempt-id", self._tool.attempt_id)] if self._tool.attempt_id else []
-        return m.request_headers_reply(m.header_mutation(vouched, strip))
-
-    async def _on_request_body(self, body: bytes) -> m.ProcessingResponse:
-        if self._tool is not None:
-            return await self._tool.on_request_body(body) or m.request_body_reply()
-        assert self._request_id is not None and self._kind is not None
-        request_id = self._request_id
-        try:
-            parsed = parse_request(
-                self._kind, body, max_body_bytes=self._policy.limits.max_request_body_bytes, known_models=None
+            parsed = await services.parser.parse(
+                self._route.api,
+                body,
+                max_body_bytes=policy.limits.max_request_body_bytes,
+                max_json_depth=policy.limits.max_json_depth,
             )
         except RequestRejected as rejected:
-            self.state = DownstreamState.ANSWERED
             return m.immediate(
                 rejected.status, rejected.body(request_id), extra_headers=[("x-request-id", request_id)]
             )
-        request = LogicalRequest(
-            request_id=request_id, tenant=self._tenant, parsed=parsed, policy=self._policy
-        )
+        request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
         pin: Struct | None = None
-        if self._discovery:
-            pinned = choose_pin(self._liveness.replicas, parsed.model)
+        if services.discovery:
+            pinned = choose_pin(services.liveness.replicas, parsed.model)
             if pinned is None:
-                self.state = DownstreamState.ANSWERED
-                served = sorted({r.fingerprint.model_id or "?" for r in self._liveness.replicas.values()})
+                served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.replicas.values()})
                 if not served:
                     return _error(
                         503, "no_replica", "no healthy replica is registered; try again later", request_id
@@ -242,29 +187,15 @@ class DownstreamStream:
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
             pin = pin_metadata(pinned.digest)
-        live = self._registry.add(request)
+        live = services.registry.add(request)
         if live is None:
-            self.state = DownstreamState.ANSWERED
-            return _error(
-                409,
-                "idempotency_key_in_flight",
-                "a request with this Idempotency-Key is still in flight; wait for it or look it up",
-                request_id,
-                journal=LOOKUP_PREFIX + request_id,
-            )
+            return _in_flight(request_id)
         try:
-            await self._journal.claim(request)
+            await services.journal.claim(request)
         except ClaimConflict as conflict:
-            self._registry.remove(live)
-            self.state = DownstreamState.ANSWERED
+            services.registry.remove(live)
             if conflict.in_flight:
-                return _error(
-                    409,
-                    "idempotency_key_in_flight",
-                    "a request with this Idempotency-Key is still in flight; wait for it or look it up",
-                    request_id,
-                    journal=LOOKUP_PREFIX + request_id,
-                )
+                return _in_flight(request_id)
             return _error(
                 409,
                 "request_already_finished",
@@ -277,98 +208,312 @@ class DownstreamStream:
         except StoreUnavailable as exc:
             # Degraded mode: serve, but without a durable journal no retry can be proven safe.
             log.error("journal unavailable, serving request %s without retries: %s", request_id, exc)
-            request.block_retries("the request journal (etcd) is unreachable, so no retry can be proven safe")
+            request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
         self._live = live
-        live.publisher_lost = self._on_publisher_lost
-        self.state = DownstreamState.TRACKING
+        live.publisher_lost = self._publisher_lost
+        self._deadline = asyncio.get_running_loop().call_later(
+            policy.deadlines.request_seconds, self._deadline_reached
+        )
         return m.request_body_reply(dynamic_metadata=pin)
 
-    async def _lookup(self, request_id: str) -> m.ProcessingResponse:
-        live = self._registry.get(request_id)
-        if live is not None and live.request.tenant == self._tenant:
-            record = self._journal.view(live.request)
-        else:
-            try:
-                record = await self._journal.lookup(self._tenant, request_id)
-            except StoreUnavailable as exc:
-                return _error(
-                    503, "journal_unavailable", f"the request journal cannot be read now: {exc}", request_id
-                )
-        if record is None:
-            return _error(
-                404,
-                "request_not_found",
-                "no request with this id is known to this caller (records expire after the retention period)",
-                request_id,
-            )
-        return m.immediate(200, json.dumps(record).encode(), extra_headers=[("x-request-id", request_id)])
+    # --- response --------------------------------------------------------------------------------------
 
-    # --- response side -----------------------------------------------------------------------------------
-
-    def _on_response_headers(self, headers: dict[str, str]) -> m.ProcessingResponse:
-        if self.state is not DownstreamState.TRACKING or self._live is None:
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+        if self._live is None:
             return m.response_headers_reply()
         request = self._live.request
-        request.on_response_headers(int(headers.get(":status", "0") or 0), headers.get("content-type", ""))
+        headers = m.header_map(message.response_headers)
+        attrs = m.attributes(message)
+        started = r.ResponseStarted(
+            status=int(headers.get(":status", "0") or 0),
+            content_type=headers.get("content-type", ""),
+            flags=m.response_flags(attrs.get("response.flags")),
+            details=str(attrs.get("response.code_details", "")),
+            no_compatible_replica=self._no_compatible_replica(request),
+        )
+        decision = request.handle(started)
+        self._services.journal.update(request)
+        if isinstance(decision, r.ReplaceResponse):
+            return self._replace(
+                request, decision.verdict, headers_only=message.response_headers.end_of_stream
+            )
         return m.response_headers_reply(m.header_mutation([("x-request-id", request.request_id)]))
 
-    def _on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
-        if self.state is not DownstreamState.TRACKING or self._live is None:
+    def _replace(
+        self, request: r.LogicalRequest, verdict: FailRequest, *, headers_only: bool
+    ) -> m.ProcessingResponse:
+        body = views.error_body(request, verdict)
+        headers = views.error_headers(request, verdict)
+        if headers_only:
+            return m.immediate(verdict.status, body, extra_headers=headers)
+        # Our status and content type now, our body in place of the first chunk; the rest is dropped.
+        self._replacement = body
+        mutation = m.header_mutation(
+            [(":status", str(verdict.status)), ("content-type", "application/json"), *headers],
+            remove=["content-length", "content-encoding", "transfer-encoding"],
+        )
+        return m.response_headers_reply(mutation)
+
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+        if self._live is None:
             return m.streamed_body(chunk, end_of_stream)
+        if self._replacement is not None:
+            body, self._replacement = self._replacement, b""
+            if body:
+                await self._writer.write(m.streamed_body(body, True), ends_stream=True)
+            return None
         request = self._live.request
         if self._live.publisher_progress is not None:
             self._live.publisher_progress.received += len(chunk)
         publisher = request.publisher
         if publisher is not None and publisher.lease is not None and not publisher.lease.publishable():
             # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end.
-            decision = request.on_publisher_lost()
-            self._journal.update(request)
-            if decision is None:
-                return None
-            self._ended_by_us = True
-            return m.streamed_body(decision.data, True)
-        decision = request.on_response_body(chunk, end_of_stream)
+            await self._end_with(request.handle(r.PublisherLost("lease_lost")))
+            return None
+        decision = request.handle(r.ResponseChunk(chunk, end_of_stream))
         if request.is_terminal:
-            self._journal.update(request)
-        if isinstance(decision, Forward):
+            self._services.journal.update(request)
+        if isinstance(decision, r.Forward):
             return m.streamed_body(decision.data, decision.end_of_stream)
-        # Terminate: our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream.
-        return m.streamed_body(decision.data, True)
+        if isinstance(decision, r.Terminate):
+            # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream (= cancel).
+            await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
+        return None
 
-    async def _on_publisher_lost(self) -> None:
-        """The replica publishing into this stream lost its heartbeat: fence it and end the stream."""
-        if self._live is None or self._context is None:
+    async def _publisher_lost(self, cause: str) -> None:
+        """The replica publishing into this stream lost its heartbeat or its path: end the stream."""
+        if self._live is None:
             return
         request = self._live.request
         publisher = request.publisher
-        if publisher is not None:
-            request.on_replica_lost(publisher)
-            if publisher.lease is not None:
-                # No retry follows, so there is no proof to wait for: revoke, and stop forwarding now.
-                await self._leases.release(publisher.lease)
-        async with self._write_lock:
-            decision = request.on_publisher_lost()
-            self._journal.update(request)
-            if decision is None or self._ended_by_us:
-                return
-            self._ended_by_us = True
-            await self._context.write(m.streamed_body(decision.data, True))
+        if publisher is not None and publisher.lease is not None:
+            # No retry follows, so there is no proof to wait for: revoke, and stop forwarding now.
+            await self._services.leases.release(publisher.lease)
+        await self._end_with(request.handle(r.PublisherLost(cause)))
+
+    def _deadline_reached(self) -> None:
+        if self._live is not None:
+            asyncio.get_running_loop().create_task(
+                self._end_with(self._live.request.handle(r.DeadlineReached()))
+            )
+
+    async def _end_with(self, decision: r.Decision) -> None:
+        assert self._live is not None
+        request = self._live.request
+        self._services.journal.update(request)
+        if isinstance(decision, r.Terminate):
+            await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
+        elif isinstance(decision, r.FailNow):
+            # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
+            # upstream request (verified on Envoy 1.40).
+            verdict = decision.verdict
+            reply = m.immediate(
+                verdict.status,
+                views.error_body(request, verdict),
+                extra_headers=views.error_headers(request, verdict),
+            )
+            await self._writer.write(reply, ends_stream=True)
+
+    def _no_compatible_replica(self, request: r.LogicalRequest) -> str | None:
+        digest = request.fingerprint_digest
+        if digest is None:
+            return None
+        replicas = self._services.liveness.replicas
+        pinned = next((x for x in replicas.values() if x.digest == digest), None)
+        if pinned is None:
+            return f"no healthy replica with the pinned fingerprint {digest} is left"
+        exclude = request.attempts[-1].replica if request.attempts else ""
+        return why_no_compatible_replica(replicas, pinned, exclude=exclude)
+
+    def on_stream_end(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._live is not None:
+            # Possibly cancelled here: settle the outcome in a task of its own.
+            asyncio.get_running_loop().create_task(self._settle(self._live))
 
     async def _settle(self, live: Live) -> None:
+        services = self._services
         request = live.request
         try:
             if not request.is_terminal:
-                if request.phase is Phase.DECODE:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
-                request.on_downstream_lost(live.loss_cause or DownstreamLoss.UNKNOWN)
-            self._journal.update(request)
+                # Who tore the stream down (the client, the replica, Envoy itself) is in Envoy's access log.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
+                request.handle(r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN))
+            services.journal.update(request)
         finally:
             live.stop_watching()
             if live.publisher_progress is not None:
-                self._progress.untrack(live.publisher_progress)
-            self._registry.remove(live)
-            self._journal.release(request)
+                services.progress.untrack(live.publisher_progress)
+            services.registry.remove(live)
+            services.journal.release(request)
             for attempt in request.attempts:  # whatever still holds a lease has finished publishing
-                if attempt.lease is not None and attempt.lease.revoked_at is None and attempt.lease.lease:
-                    await self._leases.release(attempt.lease)
+                lease = attempt.lease
+                if lease is not None and lease.revoked_at is None and lease.lease:
+                    await services.leases.release(lease)
+
+
+def _in_flight(request_id: str) -> m.ProcessingResponse:
+    return _error(
+        409,
+        "idempotency_key_in_flight",
+        "a request with this Idempotency-Key is still in flight; wait for it or look it up",
+        request_id,
+        journal=LOOKUP_PREFIX + request_id,
+    )
+
+
+class DownstreamStream:
+    """Dispatches one client stream's messages to the processor chosen at its request headers."""
+
+    def __init__(self, services: Services) -> None:
+        self._services = services
+
+    async def run(self, context: grpc.aio.ServicerContext) -> None:
+        writer = _Writer(context)
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("request") == "request_headers":
+            processor, reply = await self._choose(first.request_headers, writer)
+            await writer.write(reply)
+            pending = None
+        else:
+            # Envoy's own reply to a request it could not parse (431, 400): no request headers ever came.
+            processor, pending = PassThrough(), first
+        try:
+            while True:
+                message = pending if pending is not None else await context.read()
+                pending = None
+                if message is grpc.aio.EOF:
+                    break
+                which = message.WhichOneof("request")
+                if which == "request_body":
+                    reply = await processor.on_request_body(message.request_body.body)
+                elif which == "response_headers":
+                    reply = await processor.on_response_headers(message)
+                elif which == "response_body":
+                    body = message.response_body
+                    reply = await processor.on_response_body(body.body, body.end_of_stream)
+                elif which == "response_trailers":
+                    reply = m.RESPONSE_TRAILERS_CONTINUE
+                else:
+                    continue
+                await writer.write(reply)
+        finally:
+            processor.on_stream_end()
+
+    async def _choose(
+        self, message: m.ep.HttpHeaders, writer: _Writer
+    ) -> tuple[PassThrough, m.ProcessingResponse]:
+        services = self._services
+        pairs = m.header_pairs(message)
+        headers = dict(pairs)
+        method, path = headers.get(":method", ""), headers.get(":path", "")
+        strip = [k for k, _ in pairs if k in INTERNAL_HEADERS or k.startswith(INTERNAL_HEADER_PREFIXES)]
+        tenant = tenant_of(headers, services.tenant_secret)
+        route = classify(method, path)
+        rewrite = [(":path", route.rewrite_path)] if route.rewrite_path else []
+        keys = [v for k, v in pairs if k == "idempotency-key"]
+        if len(keys) > 1 and route.route_class in (RouteClass.INFERENCE, RouteClass.TOOL_CALL):
+            return PassThrough(), _error(
+                400,
+                "duplicate_idempotency_key",
+                f"the request carries {len(keys)} Idempotency-Key headers; send exactly one",
+                None,
+            )
+        key = keys[0] if keys else None
+        anonymous_refused = services.policy.tenancy.refuse_anonymous and tenant == ANONYMOUS
+        if route.route_class is RouteClass.REJECTED:
+            return PassThrough(), _error(
+                route.status, route.code, route.message, None, headers=(("allow", route.allow),)
+            )
+        if route.route_class is RouteClass.LOOKUP:
+            if anonymous_refused:
+                return PassThrough(), _authentication_required("journal look-ups")
+            return PassThrough(), await self._lookup(route.request_id, tenant)
+        if route.route_class is RouteClass.TOOL_CALL:
+            if anonymous_refused:
+                return PassThrough(), _authentication_required("tool calls")
+            if key is None or not valid_key(key):
+                return PassThrough(), _error(
+                    428,
+                    "idempotency_key_required",
+                    "tool calls through the gateway need an Idempotency-Key (1-200 characters of "
+                    "A-Z a-z 0-9 . _ : ~ -) derived from the logical action, e.g. {request_id}:call_01",
+                    None,
+                )
+            tool = ToolCallStream(
+                ledger=services.ledger,
+                policy=services.policy.tools,
+                registry=services.registry,
+                journal=services.journal,
+                tenant=tenant,
+                key=key,
+                method=method,
+                path=route.rewrite_path or path,
+                caller_attempt_id=headers.get("x-attempt-id"),
+                gateway_id=services.gateway_id,
+            )
+            if message.end_of_stream:
+                answer = await tool.on_request_body(b"")
+                if answer is not None:
+                    return PassThrough(), answer
+            # The tool learns the caller's attempt only as the gateway vouches for it (a live attempt of the
+            # request named by the key), never as the caller claims it.
+            vouched = [("x-attempt-id", tool.attempt_id)] if tool.attempt_id else []
+            return ToolCall(tool), m.request_headers_reply(m.header_mutation([*rewrite, *vouched], strip))
+        if route.route_class is RouteClass.PASS_THROUGH:
+            return PassThrough(), m.request_headers_reply(m.header_mutation(rewrite, strip))
+        # Inference.
+        if key is not None and not valid_key(key):
+            return PassThrough(), _error(
+                400,
+                "invalid_idempotency_key",
+                "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
+                None,
+            )
+        request_id = key or new_request_id()
+        if message.end_of_stream:
+            return PassThrough(), _error(
+                400, "invalid_json", "the request has no body; send a JSON object", request_id
+            )
+        strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
+        reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
+        return Inference(services, writer, route, request_id, tenant), reply
+
+    async def _lookup(self, request_id: str | None, tenant: str) -> m.ProcessingResponse:
+        not_found = _error(
+            404,
+            "request_not_found",
+            "no request with this id is known to this caller (records expire after the retention period)",
+            request_id,  # None when it is not a valid id: never echoed into a header
+        )
+        if request_id is None:
+            return not_found
+        services = self._services
+        live = services.registry.get(request_id)
+        if live is not None and live.request.tenant == tenant:
+            record = services.journal.view(live.request)
+        else:
+            try:
+                record = await services.journal.lookup(tenant, request_id)
+            except StoreUnavailable as exc:
+                return _error(
+                    503, "journal_unavailable", f"the request journal cannot be read now: {exc}", request_id
+                )
+        if record is None:
+            return not_found
+        return m.immediate(200, json.dumps(record).encode(), extra_headers=[("x-request-id", request_id)])
+
+
+def _authentication_required(what: str) -> m.ProcessingResponse:
+    return _error(
+        401,
+        "authentication_required",
+        f"{what} need a credential (Authorization or x-api-key): records are scoped to the caller, and "
+        "callers without one would share them (tenancy.refuse_anonymous)",
+        None,
+        headers=(("www-authenticate", "Bearer"),),
+    )

@@ -13,12 +13,34 @@ ProcessingRequest = ep.ProcessingRequest
 ProcessingResponse = ep.ProcessingResponse
 
 
+def header_pairs(headers: ep.HttpHeaders) -> list[tuple[str, str]]:
+    """Every header as (lower-cased name, value), duplicates kept (Envoy 1.40 sends `raw_value`)."""
+    return [
+        (h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value)
+        for h in headers.headers.headers
+    ]
+
+
 def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
-    """Lower-cased header names to values (Envoy 1.40 sends `raw_value`; older ones `value`)."""
-    out: dict[str, str] = {}
-    for h in headers.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
+    """Lower-cased header names to values; of duplicates, the last one."""
+    return dict(header_pairs(headers))
+
+
+# Envoy's response flags (StreamInfo::CoreResponseFlag), bit i = the i-th name, as the `response.flags`
+# attribute encodes them.
+_RESPONSE_FLAGS = (
+    "LH", "UH", "UT", "LR", "UR", "UF", "UC", "UO", "NR", "DI", "FI", "RL", "UAEX", "RLSE", "DC", "URX",
+    "SI", "IH", "DPE", "UMSDR", "RFCF", "NFCF", "DT", "UPE", "NC", "OM", "DF", "DO", "DR", "UDO",
+)  # fmt: skip
+
+
+def response_flags(value: object) -> frozenset[str]:
+    """The names of the flags set in a `response.flags` attribute value (a number)."""
+    try:
+        bits = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(name for i, name in enumerate(_RESPONSE_FLAGS) if bits >> i & 1)
 
 
 def attributes(request: ProcessingRequest) -> dict[str, object]:

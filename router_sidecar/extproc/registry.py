@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import Tracked
-from router_sidecar.core.request import AttemptRecord, DownstreamLoss, LogicalRequest
+from router_sidecar.core.attempt import Attempt
+from router_sidecar.core.request import DownstreamLoss, LogicalRequest
 
 
 @dataclass(slots=True)
@@ -22,25 +23,26 @@ class Live:
     loss_cause: DownstreamLoss | None = None
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.
-    publisher_lost: Callable[[], Awaitable[None]] | None = None
+    publisher_lost: Callable[[str], Awaitable[None]] | None = None
     publisher_progress: Tracked | None = None  # bytes of the publishing attempt that arrived here
     _unwatch: Callable[[], None] | None = None
 
-    def watch_publisher(
-        self, liveness: LivenessMonitor, record: AttemptRecord, progress: Tracked | None
-    ) -> None:
+    def watch_publisher(self, liveness: LivenessMonitor, attempt: Attempt, progress: Tracked) -> None:
         """After the first delta, the downstream stream answers for the attempt that publishes."""
 
-        async def lost(address: str | None = None) -> None:
+        async def heartbeat_lapsed(address: str) -> None:
             if self.publisher_lost is not None:
-                await self.publisher_lost()
+                await self.publisher_lost("heartbeat_lapsed")
+
+        async def progress_gap() -> None:
+            if self.publisher_lost is not None:
+                await self.publisher_lost("progress_gap")
 
         self.stop_watching()
-        self._unwatch = liveness.on_loss(record.replica, lost)
-        if progress is not None:
-            # The held bytes flow through the downstream filter again after the release: count from zero.
-            progress.received, progress.gap_since, progress.on_lost = 0, None, lost
-            self.publisher_progress = progress
+        self._unwatch = liveness.on_loss(attempt.replica, heartbeat_lapsed)
+        # The held bytes flow through the downstream filter again after the release: count from zero.
+        progress.received, progress.gap_since, progress.on_lost = 0, None, progress_gap
+        self.publisher_progress = progress
 
     def stop_watching(self) -> None:
         if self._unwatch is not None:
@@ -68,6 +70,12 @@ class Registry:
     def remove(self, live: Live) -> None:
         if self._live.get(live.request.request_id) is live:
             del self._live[live.request.request_id]
+
+    def note_envoy_exit(self) -> None:
+        """Envoy died: every live stream ends now, and neither its client nor its replica did that."""
+        for live in self._live.values():
+            live.loss_cause = DownstreamLoss.ENVOY_EXITED
+            live.access_logged.set()
 
     def note_access_log(self, request_id: str, cause: DownstreamLoss | None) -> None:
         live = self._live.get(request_id)

@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import time
-from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -29,13 +28,10 @@ from router_sidecar.coordination.replica_fence import (
     DEFAULT_SAFETY_MARGIN,
     AttemptGuard,
     CancelAcks,
-    FrontEnvoy,
-    FrontSpec,
     parse_lease_header,
 )
 from router_sidecar.coordination.store import EtcdStore, Lease, StoreUnavailable, keys
 from router_sidecar.extproc import messages as m
-from router_sidecar.runtime.envoy_config import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -212,48 +208,3 @@ class FenceStream:
         reason = guard.reason or "local_deadline"
         self._owner.fenced.append((guard.attempt_id, reason, time.monotonic()))
         self._owner.acks.write(guard.attempt_id, reason)
-
-
-class ReplicaFront:
-    """Replica mode: the fence servicer (unix socket, this process) and the front Envoy that uses it."""
-
-    def __init__(
-        self,
-        store: EtcdStore,
-        *,
-        front: str,
-        engine: str,
-        work_dir: Path,
-        margin: float = DEFAULT_SAFETY_MARGIN,
-    ) -> None:
-        self.work_dir = work_dir
-        self.socket_path = work_dir / "fence.sock"
-        self.servicer = ReplicaFenceServicer(store, margin=margin)
-        self._server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
-        self.envoy = FrontEnvoy(
-            FrontSpec(
-                front=Endpoint.parse(front), engine=Endpoint.parse(engine), fence_socket=self.socket_path
-            ),
-            work_dir,
-        )
-
-    async def start(self) -> None:
-        self.socket_path.unlink(missing_ok=True)
-        self._server.add_insecure_port(f"unix:{self.socket_path}")
-        await self._server.start()
-        await self.envoy.start()
-        log.info(
-            "replica front on %s → engine %s (fence servicer on %s)",
-            self.envoy.spec.front,
-            self.envoy.spec.engine,
-            self.socket_path,
-        )
-
-    def alive(self) -> bool:
-        return self.envoy.alive()
-
-    async def stop(self) -> None:
-        await self.envoy.stop()
-        await self.servicer.acks.drain(timeout=5.0)
-        await self._server.stop(1.0)

@@ -17,11 +17,13 @@ from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import EtcdStore, Store
+from router_sidecar.coordination.tenancy import load_tenant_secret
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.discovery import EndpointDiscovery
 from router_sidecar.extproc.downstream import DownstreamStream
+from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
@@ -67,20 +69,36 @@ def check_bind_address(address: str) -> None:
 
 class SidecarServer:
     def __init__(
-        self, *, bind: str, policy: Policy, store: Store, gateway_id: str, discovery: bool = False
+        self,
+        *,
+        bind: str,
+        policy: Policy,
+        store: Store,
+        gateway_id: str,
+        discovery: bool = False,
+        static_replicas: tuple[str, ...] = (),
     ) -> None:
         check_bind_address(bind)
         self.bind = bind
         self.registry = Registry()
+        self.store = store
         self.journal = Journal(
-            store, retention_seconds=policy.journal.retention_seconds, gateway_id=gateway_id
+            store,
+            retention_seconds=policy.journal.retention_seconds,
+            gateway_id=gateway_id,
+            max_events=policy.journal.max_events,
         )
         self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
         # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
-        self.liveness = LivenessMonitor(ReplicaRegistry(store) if isinstance(store, EtcdStore) else None)
+        self.liveness = LivenessMonitor(
+            ReplicaRegistry(store) if isinstance(store, EtcdStore) else None,
+            static=static_replicas,
+            probe_interval=policy.liveness.static_probe_interval_seconds,
+            probe_failures=policy.liveness.static_probe_failures,
+        )
         self.progress = ProgressMonitor(store, policy.liveness.progress_gap_seconds)
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        services = Services(
+        self.services = services = Services(
             policy=policy,
             registry=self.registry,
             journal=self.journal,
@@ -90,6 +108,7 @@ class SidecarServer:
             progress=self.progress,
             discovery=discovery,
             gateway_id=gateway_id,
+            parser=RequestParser(),
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), self._server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
@@ -98,6 +117,9 @@ class SidecarServer:
         )
 
     async def start(self) -> None:
+        self.services.tenant_secret = await load_tenant_secret(
+            self.store, self.services.policy.tenancy.secret_file
+        )
         if self.bind.startswith("unix:"):
             path = self.bind[len("unix:") :]
             if os.path.exists(path):
@@ -111,11 +133,13 @@ class SidecarServer:
         """Lease keep-alive and the registry watch. Start them after forking any child process (Envoy):
         a fork while gRPC client streams are busy can crash the child before it execs."""
         self.leases.start()
+        self.services.parser.start()
         self.liveness.start()
         self.progress.start()
 
     async def stop(self, grace: float = 1.0) -> None:
         await self._server.stop(grace)
+        self.services.parser.stop()
         await self.liveness.stop()
         await self.progress.stop()
         await self.leases.stop()

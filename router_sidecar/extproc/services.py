@@ -10,10 +10,11 @@ from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy
+from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Services:
     policy: Policy
     registry: Registry  # live logical requests: where the two filter placements meet
@@ -24,3 +25,5 @@ class Services:
     progress: ProgressMonitor  # replica-reported progress vs bytes received
     discovery: bool  # replicas come from the registry (EDS): pin each request to a compatibility group
     gateway_id: str
+    parser: RequestParser  # large request bodies are parsed in a worker process
+    tenant_secret: bytes = b""  # keys the credential digests; loaded at start (coordination/tenancy.py)

@@ -16,7 +16,7 @@ from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.events import EventName
 from router_sidecar.core.policy import ToolsPolicy
-from router_sidecar.core.request import LogicalRequest
+from router_sidecar.core.request import LogicalRequest, ToolCallNoted
 from router_sidecar.core.tool_keys import request_id_of
 from router_sidecar.core.tools import (
     REPLAY_HEADER,
@@ -26,7 +26,7 @@ from router_sidecar.core.tools import (
     StillRunning,
     ToolResponse,
     answer_for_existing,
-    body_digest,
+    call_digest,
     claim_record,
 )
 from router_sidecar.extproc import messages as m
@@ -53,6 +53,8 @@ class ToolCallStream:
         journal: Journal,
         tenant: str,
         key: str,
+        method: str,
+        path: str,
         caller_attempt_id: str | None,
         gateway_id: str,
     ) -> None:
@@ -61,6 +63,8 @@ class ToolCallStream:
         self._journal = journal
         self._tenant = tenant
         self._key = key
+        self._call = f"{method} {path}"  # the action the key names, with the body (path with its query)
+        self._method, self._path = method, path
         self._gateway_id = gateway_id
         self._claimed: dict[str, object] | None = None
         self._response = ToolResponse(max_stored_bytes=policy.max_stored_response_bytes)
@@ -76,13 +80,14 @@ class ToolCallStream:
 
     async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
         """None: go ahead and call the tool. Otherwise the answer to send instead of calling it."""
-        digest = body_digest(body)
+        digest = call_digest(self._method, self._path, body)
         now = time.time()
         record = claim_record(
             key=self._key,
             request_id=_request_id_or_none(self._key),
             attempt_id=self.attempt_id,
             digest=digest,
+            call=self._call,
             now=now,
             deadline=now + self._policy.call_timeout_seconds + 5,
             gateway=self._gateway_id,
@@ -175,7 +180,7 @@ class ToolCallStream:
 
     def _note(self, name: EventName, **detail: object) -> None:
         if self._request is not None:
-            self._request.note_tool_call(name, self._key, self._attempt, **detail)
+            self._request.handle(ToolCallNoted(name, self._key, self._attempt, dict(detail)))
             self._journal.update(self._request)
         log.info("tool call %s: %s %s", self._key, name.value, detail or "")
 

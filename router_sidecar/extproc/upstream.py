@@ -1,15 +1,11 @@
-"""The UPSTREAM placement (cluster `llm` upstream filter chain): one stream per attempt.
+"""The UPSTREAM placement (cluster `llm` upstream filter chain): one ext_proc stream per attempt.
 
-STREAMED response body with `send_body_without_waiting_for_header_response`: Envoy keeps sending body
-chunks while our reply to the response headers is pending. So we hold the headers (and every chunk) until
-the attempt's machine decides: release at the first delta (after the write-ahead journal record), retry
-(`:status 503` → Envoy's router retries on another host), or fail with a real error. After a release the
-stream ends with OK and Envoy forwards the rest of the response without us (DESIGN.md §5.7).
-
-Fencing: every attempt holds an etcd lease (its right to publish). A new attempt is let through to its
-replica only once the previous one can no longer publish. If the replica's heartbeat lapses while the
-attempt is held (liveness uncertain: frozen process, partition), the attempt is fenced — lease revoked,
-then the cancel ack or the lease's expiry awaited — and only then retried.
+A translator and an effect runner around the attempt machine (`core/attempt.py`), which decides
+everything: Envoy's messages and the monitors' signals become its inputs, its decisions become replies
+to Envoy, lease operations and journal writes. STREAMED response body with
+`send_body_without_waiting_for_header_response`: Envoy keeps sending body chunks while our reply to the
+response headers is pending, so the headers (and every chunk) are held until the machine decides. After a
+release the stream ends with OK and Envoy forwards the rest of the response without us (DESIGN.md §5.7).
 """
 
 from __future__ import annotations
@@ -24,9 +20,11 @@ import grpc
 
 from router_sidecar.coordination.fencing import FenceProof
 from router_sidecar.coordination.liveness import Liveness
+from router_sidecar.coordination.progress import Tracked
 from router_sidecar.coordination.store import StoreUnavailable
-from router_sidecar.core.attempt import Attempt, AttemptFailed, Hold, PassThrough, Release
-from router_sidecar.core.request import AttemptRecord, FailRequest, LogicalRequest, TriggerRetry
+from router_sidecar.core import attempt as a
+from router_sidecar.core import views
+from router_sidecar.core.request import LogicalRequest
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
@@ -43,289 +41,170 @@ def new_attempt_id() -> str:
 
 class UpstreamStream:
     def __init__(self, services: Services) -> None:
-        self._registry = services.registry
+        self._services = services
         self._journal = services.journal
         self._leases = services.leases
-        self._liveness = services.liveness
-        self._progress = services.progress
-        self._handed_over = False  # the downstream now answers for this attempt's progress
         self._write_lock = asyncio.Lock()
-        self._decided = False  # the one final reply for this attempt has been written
-        self._fencing = False  # a liveness fence is under way: no release, whatever arrives
-        self._deferred: TriggerRetry | FailRequest | None = None  # decided before the headers arrived
-        self._headers_arrived = False  # response headers came in while a fence was under way
+        self._context: grpc.aio.ServicerContext | None = None
+        self._attempt: a.Attempt | None = None  # this stream's attempt (the gate may feed earlier ones)
+        self._tracked: Tracked | None = None  # its bytes as received here (liveness from progress)
+        self._left = False  # we answered or released: nothing more is written on this stream
+        self._handed_over = False  # the downstream now answers for this attempt's progress
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
         first = await context.read()
         if first is grpc.aio.EOF:
             return
         attrs = m.attributes(first)
         headers = m.header_map(first.request_headers)
         request_id = str(attrs.get("request.id") or headers.get("x-request-id", ""))
-        live = self._registry.get(request_id)
-        if live is None or live.request.is_terminal:
+        live = self._services.registry.get(request_id)
+        if live is None:
             # Not an admitted inference request (e.g. /v1/models): nothing to hold, leave the path at once.
             await context.write(m.request_headers_reply())
             return
         request = live.request
-        if not request.admits_attempt():
-            await self._write_refusal(context, request, request.refuse_attempt())
-            return
-        if not await self._previous_attempt_fenced(request):
-            await self._write_refusal(context, request, request.refuse_attempt())
-            return
         replica = str(attrs.get("upstream.address") or "unknown")
+        if not await self._admit(context, request):
+            return
+        # The lease first: an attempt on record always has one (Envoy may cancel this stream meanwhile).
         attempt_id = new_attempt_id()
-        record = request.begin_attempt(attempt_id, replica)
-        record.lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
-        attempt = Attempt(request_id=request_id, attempt_id=attempt_id, number=record.number, replica=replica)
+        lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
+        attempt = self._attempt = request.gate.begin(attempt_id, replica)
+        attempt.lease = lease
         self._journal.update(request)
-        lease_header = f"{record.lease.lease.id:x}" if record.lease.lease else ""
+        lease_header = f"{attempt.lease.lease.id:x}" if attempt.lease.lease else ""
         await context.write(
             m.request_headers_reply(
                 m.header_mutation(
                     [
                         ("x-request-id", request_id),
-                        ("x-attempt-id", attempt_id),
+                        ("x-attempt-id", attempt.attempt_id),
                         ("x-attempt-lease", lease_header),
                     ]
                 )
             )
         )
 
-        async def replica_lost(address: str) -> None:
-            await self._on_replica_lost(context, request, record, attempt)
+        async def heartbeat_lapsed(address: str) -> None:
+            self._feed(request, attempt, a.LivenessLost("heartbeat_lapsed"))
 
-        unsubscribe = self._liveness.on_loss(replica, replica_lost)
-        self._tracked = self._progress.track(attempt_id, lambda: replica_lost(replica))
+        async def progress_gap() -> None:
+            self._feed(request, attempt, a.LivenessLost("progress_gap"))
+
+        unsubscribe = self._services.liveness.on_loss(replica, heartbeat_lapsed)
+        self._tracked = self._services.progress.track(attempt.attempt_id, progress_gap)
         try:
-            await self._hold_until_decided(context, live, record, attempt)
+            await self._hold(context, live, attempt)
         except asyncio.CancelledError:
-            # Envoy tore the attempt down (reset/refused, or the client left): its connection is gone,
-            # which is what fences it from this stream.
-            decision = attempt.on_stream_lost()
-            if isinstance(decision, AttemptFailed):
-                request.on_attempt_lost(record, decision)
-                self._journal.update(request)
-                self._settle_in_background(request, record)
+            # Envoy tore the attempt down (reset/refused, or the client left).
+            self._feed(request, attempt, a.StreamReset(self._liveness_uncertain(attempt)))
             raise
         finally:
             unsubscribe()
             if not self._handed_over:
                 # Kept a little longer: the next attempt's gate reads it (see `_liveness_uncertain`).
-                self._progress.untrack_later(self._tracked)
+                self._services.progress.untrack_later(self._tracked)
 
-    async def _previous_attempt_fenced(self, request: LogicalRequest) -> bool:
-        """Hold a retry until the attempt before it can no longer publish."""
-        previous = request.attempts[-1] if request.attempts else None
-        if previous is None or previous.lease is None or previous.lease.fenced.is_set():
-            return True
-        if not self._fencing_in_progress(previous):
-            # Envoy started another attempt on its own: the previous upstream request is over.
-            return await self._settle_closed_attempt(request, previous)
-        try:
-            await asyncio.wait_for(previous.lease.fenced.wait(), previous.lease.ttl_seconds + 5)
-        except TimeoutError:
-            log.error("attempt %s never got fenced: refusing the retry", previous.attempt_id)
-            return False
-        return True
-
-    async def _settle_closed_attempt(self, request: LogicalRequest, record: AttemptRecord) -> bool:
-        """An attempt whose connection closed under it. If its replica showed no sign of running on
-        (heartbeat fine, no unreceived progress), it is dead and the closed connection is the proof that
-        nothing more can arrive from it. Otherwise (heartbeat lapsed, or it reported bytes that never
-        arrived: a lost path) it may still be decoding: fence it. False: the fence cannot be proven."""
-        assert record.lease is not None
-        if not self._liveness_uncertain(record):
-            await self._leases.release(record.lease, FenceProof.CONNECTION_CLOSED)
-            return True
-        request.on_replica_lost(record)
-        self._journal.update(request)
-        started = time.monotonic()
-        proof = await self._leases.fence(record.lease)
-        request.on_attempt_fenced(record, proof.value if proof else None, time.monotonic() - started)
-        self._journal.update(request)
-        return proof is not None
-
-    def _liveness_uncertain(self, record: AttemptRecord) -> bool:
-        tracked = self._progress.tracked(record.attempt_id)
-        unreceived_progress = tracked is not None and tracked.reported > tracked.received
-        return unreceived_progress or self._liveness.state(record.replica) is Liveness.LOST
-
-    @staticmethod
-    def _fencing_in_progress(record: AttemptRecord) -> bool:
-        return (
-            record.lease is not None
-            and record.lease.stopped_at is not None
-            and not record.lease.fenced.is_set()
-        )
-
-    async def _hold_until_decided(
-        self, context: grpc.aio.ServicerContext, live: Live, record: AttemptRecord, attempt: Attempt
-    ) -> None:
-        request = live.request
-        held_bodies = 0
+    async def _admit(self, context: grpc.aio.ServicerContext, request: LogicalRequest) -> bool:
+        """The retry gate: the attempt before must be fenced, and the budget must allow this one."""
         while True:
+            admission = request.gate.admit()
+            if isinstance(admission, a.Admit):
+                return True
+            if isinstance(admission, a.Supersede):
+                previous = admission.attempt
+                self._feed(request, previous, a.Superseded(self._liveness_uncertain(previous)))
+            elif isinstance(admission, a.AwaitFence):
+                previous = admission.attempt
+                bound = (previous.lease.ttl_seconds if previous.lease else 0) + 5
+                try:
+                    await asyncio.wait_for(previous.lease.fenced.wait(), bound)
+                except TimeoutError:
+                    log.error("attempt %s never got fenced: refusing the retry", previous.attempt_id)
+                    request.gate.fence_timed_out(previous)
+            else:
+                self._journal.update(request)
+                await context.write(_answer(request, admission.verdict))
+                return False
+
+    async def _hold(self, context: grpc.aio.ServicerContext, live: Live, attempt: a.Attempt) -> None:
+        request = live.request
+        assert self._tracked is not None
+        while not self._left:
             message = await context.read()
             if message is grpc.aio.EOF:
-                decision = attempt.on_stream_lost()
-                if isinstance(decision, AttemptFailed):
-                    request.on_attempt_lost(record, decision)
-                    self._journal.update(request)
-                    self._settle_in_background(request, record)
+                self._feed(request, attempt, a.StreamReset(self._liveness_uncertain(attempt)))
                 return
             which = message.WhichOneof("request")
-            if self._decided:
-                return
-            if which == "response_headers" and self._deferred is not None:
-                await self._write_outcome(context, request, self._deferred)
-                return
-            if self._fencing:
-                # Whatever the fenced attempt sends now is dropped; the fence decides. Its response headers
-                # (e.g. the replica side's own 503 once it stopped) are what the fence's answer will answer.
-                self._headers_arrived = self._headers_arrived or which == "response_headers"
-                continue
             if which == "response_headers":
                 headers = m.header_map(message.response_headers)
-                decision = attempt.on_response_headers(
-                    int(headers.get(":status", "0") or 0), headers.get("content-type", "")
+                event: a.Input = a.ResponseHeaders(
+                    status=int(headers.get(":status", "0") or 0),
+                    content_type=headers.get("content-type", ""),
+                    content_encoding=headers.get("content-encoding", ""),
+                    retry_after=headers.get("retry-after"),
                 )
             elif which == "response_body":
-                held_bodies += 1
                 body = message.response_body
                 self._tracked.received += len(body.body)
-                decision = attempt.on_response_body(body.body, body.end_of_stream)
+                event = a.ResponseBody(body.body, body.end_of_stream)
             else:
                 continue
-            if isinstance(decision, Hold):
-                continue
-            if isinstance(decision, Release) and record.lease is not None and not record.lease.publishable():
-                continue  # lost its right to publish (fence under way, or lease not renewed): never release
-            if isinstance(decision, Release | PassThrough):
-                await self._release(context, live, record, decision, held_bodies)
-                return
-            outcome = request.on_attempt_failed(
-                record, decision, no_compatible_replica=self._no_compatible_replica(request, record)
-            )
-            self._journal.update(request)
-            await self._write_outcome(context, request, outcome)
-            self._release_in_background(record)
-            return
+            # Inline: no further message is read until these decisions are carried out (the held count).
+            await self._carry_out(request, attempt, self._handle(request, attempt, event))
 
-    async def _release(
-        self,
-        context: grpc.aio.ServicerContext,
-        live: Live,
-        record: AttemptRecord,
-        decision: Release | PassThrough,
-        held_bodies: int,
-    ) -> None:
-        request = live.request
-        async with self._write_lock:
-            if self._decided or self._fencing:
-                return
-            self._decided = True
-            if isinstance(decision, Release):
-                request.on_attempt_released(record, first_delta=decision.first_delta)
-                await self._write_ahead(request)
-                # From here the downstream owns this attempt: it ends the stream if the replica is lost.
-                live.watch_publisher(self._liveness, record, self._tracked)
-                self._handed_over = True
-            else:
-                request.on_attempt_passed_through(record, decision.status)
-                self._journal.update(request)
-            await context.write(m.response_headers_reply())
-            for _ in range(held_bodies):
-                await context.write(m.RESPONSE_BODY_CONTINUE)
-        # Leave the path: Envoy forwards the rest without us.
-
-    async def _on_replica_lost(
-        self,
-        context: grpc.aio.ServicerContext,
-        request: LogicalRequest,
-        record: AttemptRecord,
-        attempt: Attempt,
-    ) -> None:
-        if self._decided or self._fencing:
-            return
-        failure = attempt.on_replica_lost()
-        if failure is None:
-            return
-        self._fencing = True
-        request.on_replica_lost(record)
+    def _handle(self, request: LogicalRequest, attempt: a.Attempt, event: a.Input) -> list[a.Decision]:
+        decisions = attempt.handle(event)
         self._journal.update(request)
-        started = time.monotonic()
-        proof = await self._leases.fence(record.lease) if record.lease is not None else None
-        request.on_attempt_fenced(record, proof.value if proof else None, time.monotonic() - started)
-        outcome = request.on_attempt_failed(
-            record,
-            failure,
-            fence_proven=proof is not None,
-            no_compatible_replica=self._no_compatible_replica(request, record),
-        )
-        self._journal.update(request)
-        if attempt.status is None and not self._headers_arrived:
-            self._deferred = outcome  # no response headers to answer yet: answer them when they come
-            return
-        await self._write_outcome(context, request, outcome)
+        return decisions
 
-    def _no_compatible_replica(self, request: LogicalRequest, record: AttemptRecord) -> str | None:
-        """Why a retry could not land on a replica of the pinned compatibility group (None: it can)."""
-        digest = request.fingerprint_digest
-        if digest is None:
-            return None
-        replicas = self._liveness.replicas
-        if compatible_alternatives(replicas, digest, exclude=record.replica) > 0:
-            return None
-        pinned = next((r for r in replicas.values() if r.digest == digest), None)
-        if pinned is None:
-            return f"no healthy replica with the pinned fingerprint {digest} is left"
-        return why_no_compatible_replica(replicas, pinned, exclude=record.replica)
+    def _feed(self, request: LogicalRequest, attempt: a.Attempt, event: a.Input) -> None:
+        """An input from outside the read loop (a monitor, a timer, the gate, cancellation)."""
+        decisions = self._handle(request, attempt, event)
+        if decisions:
+            asyncio.get_running_loop().create_task(self._carry_out(request, attempt, decisions))
 
-    async def _write_outcome(
-        self, context: grpc.aio.ServicerContext, request: LogicalRequest, outcome: TriggerRetry | FailRequest
+    async def _carry_out(
+        self, request: LogicalRequest, attempt: a.Attempt, decisions: list[a.Decision]
     ) -> None:
-        async with self._write_lock:
-            if self._decided:
-                return
-            self._decided = True
-            reply = (
-                _RETRY
-                if isinstance(outcome, TriggerRetry)
-                else m.immediate(
-                    outcome.status, outcome.body, extra_headers=[("x-request-id", request.request_id)]
-                )
+        for index, decision in enumerate(decisions):
+            try:
+                await self._carry_out_one(request, attempt, decision)
+            except asyncio.CancelledError:
+                # Envoy cancelled this stream while we wrote to it: the lease decisions still happen.
+                for rest in decisions[index + 1 :]:
+                    if isinstance(rest, a.SettleLease | a.StartFence):
+                        await self._carry_out_one(request, attempt, rest)
+                raise
+
+    async def _carry_out_one(self, request: LogicalRequest, attempt: a.Attempt, decision: a.Decision) -> None:
+        if isinstance(decision, a.Failed):
+            verdict = request.gate.verdict(
+                attempt, decision, no_compatible_replica=self._no_compatible_replica(request, attempt)
             )
-            # A fence decided after Envoy had already torn the attempt down (TCP keepalive, client gone):
-            # no one is left to answer; Envoy retries or ends the request on its own.
-            with contextlib.suppress(grpc.aio.UsageError):
-                await context.write(reply)
+            await self._carry_out(request, attempt, self._handle(request, attempt, a.VerdictReady(verdict)))
+        elif isinstance(decision, a.Answer):
+            held = [m.RESPONSE_BODY_CONTINUE] * decision.held_chunks
+            await self._write(attempt, _answer(request, decision.verdict), *held)
+        elif isinstance(decision, a.SettleLease):
+            self._leases.stop_honouring(attempt.lease)
+            asyncio.get_running_loop().create_task(self._settle(request, attempt))
+        elif isinstance(decision, a.StartFence):
+            asyncio.get_running_loop().create_task(self._fence(request, attempt))
+        elif isinstance(decision, a.WriteAhead):
+            await self._write_ahead(request, attempt)
+        else:
+            await self._release(request, attempt, decision)
 
-    async def _write_refusal(
-        self, context: grpc.aio.ServicerContext, request: LogicalRequest, refusal: FailRequest
-    ) -> None:
-        self._journal.update(request)
-        await context.write(
-            m.immediate(refusal.status, refusal.body, extra_headers=[("x-request-id", request.request_id)])
-        )
-
-    def _settle_in_background(self, request: LogicalRequest, record: AttemptRecord) -> None:
-        if record.lease is None or record.lease.fenced.is_set() or self._fencing:
+    async def _write_ahead(self, request: LogicalRequest, attempt: a.Attempt) -> None:
+        if attempt.lease is not None and not attempt.lease.publishable():
+            # Lost its right to publish (fence under way, or the lease could not be renewed): never release.
+            await self._carry_out(
+                request, attempt, self._handle(request, attempt, a.LivenessLost("lease_lost"))
+            )
             return
-        # Mark it at once, so that a retry's gate waits for this settlement instead of racing it.
-        self._leases.stop_honouring(record.lease)
-        asyncio.get_running_loop().create_task(self._settle_closed_attempt(request, record))
-
-    def _release_in_background(self, record: AttemptRecord) -> None:
-        if record.lease is not None and not record.lease.fenced.is_set() and not self._fencing:
-            # The closed connection is the proof; a retry still waits (in `_previous_attempt_fenced`) until
-            # etcd confirmed the revocation, so two valid leases never coexist.
-            self._leases.stop_honouring(record.lease)
-            asyncio.get_running_loop().create_task(
-                self._leases.release(record.lease, FenceProof.CONNECTION_CLOSED)
-            )
-
-    async def _write_ahead(self, request: LogicalRequest) -> None:
         # first_delta_sent must be durable before the first byte of content can reach the client.
         try:
             await self._journal.write_ahead(request)
@@ -333,3 +212,81 @@ class UpstreamStream:
             log.error(
                 "journal: first_delta_sent of %s not recorded (serving anyway): %s", request.request_id, exc
             )
+        if attempt.state is a.AttemptState.WRITING_AHEAD:  # not reset or fenced meanwhile
+            await self._carry_out(request, attempt, self._handle(request, attempt, a.WriteAheadDone()))
+
+    async def _release(self, request: LogicalRequest, attempt: a.Attempt, release: a.Release) -> None:
+        live = self._services.registry.get(request.request_id)
+        if live is not None and attempt.first_delta and self._tracked is not None:
+            # From here the downstream owns this attempt: it ends the stream if the replica is lost.
+            live.watch_publisher(self._services.liveness, attempt, self._tracked)
+            self._handed_over = True
+        await self._write(
+            attempt, m.response_headers_reply(), *([m.RESPONSE_BODY_CONTINUE] * release.held_chunks)
+        )
+        # Leave the path: Envoy forwards the rest without us.
+
+    async def _write(self, attempt: a.Attempt, *replies: m.ProcessingResponse) -> None:
+        assert self._context is not None
+        if attempt is not self._attempt:
+            return  # an earlier attempt the gate fed: its own stream is gone
+        async with self._write_lock:
+            if self._left:
+                return
+            self._left = True
+            # A decision made after Envoy tore the attempt down: no one is left to answer.
+            with contextlib.suppress(grpc.aio.UsageError, asyncio.InvalidStateError):
+                for reply in replies:
+                    await self._context.write(reply)
+
+    async def _settle(self, request: LogicalRequest, attempt: a.Attempt) -> None:
+        # The closed connection is the proof; a retry still waits (the gate) until etcd confirmed the
+        # revocation, so two valid leases never coexist.
+        await self._leases.release(attempt.lease, FenceProof.CONNECTION_CLOSED)
+        self._feed(request, attempt, a.FenceProven(FenceProof.CONNECTION_CLOSED.value))
+
+    async def _fence(self, request: LogicalRequest, attempt: a.Attempt) -> None:
+        started = time.monotonic()
+        proof: FenceProof | None
+        if not self._services.liveness.registered(attempt.replica):
+            # A static replica: no agent, no replica side that could honour a lease. Our answer closes its
+            # connection, the only way its bytes could reach the client: that is the whole fence.
+            await self._leases.release(attempt.lease, FenceProof.CONNECTION_CLOSED)
+            proof = FenceProof.CONNECTION_CLOSED
+        else:
+            wait_for_ack = request.policy.uncertain_source_liveness.wait_for == "cancel_ack_or_lease_expiry"
+            proof = await self._leases.fence(attempt.lease, accept_cancel_ack=wait_for_ack)
+        waited_ms = (time.monotonic() - started) * 1000
+        fenced = a.FenceProven(proof.value, waited_ms) if proof is not None else a.FenceUnprovable()
+        self._feed(request, attempt, fenced)
+
+    def _liveness_uncertain(self, attempt: a.Attempt) -> bool:
+        """A closed connection proves the attempt dead only if its replica showed no sign of running on."""
+        tracked = self._services.progress.tracked(attempt.attempt_id)
+        unreceived_progress = tracked is not None and tracked.reported > tracked.received
+        liveness = self._services.liveness
+        lost = liveness.registered(attempt.replica) and liveness.state(attempt.replica) is Liveness.LOST
+        return unreceived_progress or lost
+
+    def _no_compatible_replica(self, request: LogicalRequest, attempt: a.Attempt) -> str | None:
+        """Why a retry could not land on a replica of the pinned compatibility group (None: it can)."""
+        digest = request.fingerprint_digest
+        if digest is None:
+            return None
+        replicas = self._services.liveness.replicas
+        if compatible_alternatives(replicas, digest, exclude=attempt.replica) > 0:
+            return None
+        pinned = next((r for r in replicas.values() if r.digest == digest), None)
+        if pinned is None:
+            return f"no healthy replica with the pinned fingerprint {digest} is left"
+        return why_no_compatible_replica(replicas, pinned, exclude=attempt.replica)
+
+
+def _answer(request: LogicalRequest, verdict: a.TriggerRetry | a.FailRequest) -> m.ProcessingResponse:
+    if isinstance(verdict, a.TriggerRetry):
+        return _RETRY
+    return m.immediate(
+        verdict.status,
+        views.error_body(request, verdict),
+        extra_headers=views.error_headers(request, verdict),
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from router_sidecar.core.policy import Policy
+from router_sidecar.core.policy import ADMISSION_MARGIN_SECONDS, BUDGET, Policy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "envoy"
@@ -61,7 +61,7 @@ class GatewaySpec:
     sidecar_socket: Path
     access_log_path: Path
     policy: Policy
-    admin_port: int = 0
+    admin_socket: Path
     tools: tuple[tuple[str, Endpoint], ...] = ()  # tool services, routed under /tools/NAME/
 
 
@@ -81,6 +81,11 @@ def find_envoy() -> str:
     )
 
 
+# Envoy's own timeouts sit this far behind the sidecar's deadline timer, which ends a stream with a terminal
+# frame and journals the deadline; Envoy's are the backstop when no sidecar stream can answer.
+DEADLINE_GRACE_SECONDS = 1.0
+
+
 def _seconds(value: float) -> str:
     # Envoy's Duration strings are seconds with a fraction ("0.2s"), not "200ms".
     return f"{value:g}s"
@@ -93,30 +98,30 @@ def render(spec: GatewaySpec) -> str:
         for r in spec.replicas
     ]
     values = {
-        "admin_port": spec.admin_port,
+        "admin_socket": json.dumps(str(spec.admin_socket)),
         "node_id": f"{socket.gethostname()}-gateway-{spec.listen.port}",
         "listen_host": spec.listen.host,
         "listen_port": spec.listen.port,
         # The downstream filter buffers the request body; past this Envoy answers 413 itself.
         "buffer_limit_bytes": p.limits.max_request_body_bytes + 65536,
-        "stream_idle_timeout": _seconds(p.deadlines.request_seconds),
-        "request_timeout": _seconds(p.deadlines.request_seconds),
-        "admission_timeout": _seconds(5),
+        "stream_idle_timeout": _seconds(p.deadlines.request_seconds + DEADLINE_GRACE_SECONDS),
+        "request_timeout": _seconds(p.deadlines.request_seconds + DEADLINE_GRACE_SECONDS),
+        # Admission may wait for a duplicate tool call in progress (tools.in_progress_wait_seconds).
+        "admission_timeout": _seconds(ADMISSION_MARGIN_SECONDS + p.tools.in_progress_wait_seconds),
         "connect_timeout": _seconds(p.deadlines.connect_seconds),
         "num_retries": p.on_upstream_failure.before_first_delta.max_attempts - 1,
-        "max_concurrent_retries": p.budgets.max_concurrent_retries,
-        "retry_budget_percent": float(p.budgets.retry_budget_percent),
-        "min_retry_concurrency": p.budgets.min_retry_concurrency,
+        "retry_limits": _retry_limits(p),
+        "held_limit_bytes": p.limits.max_held_response_bytes,
         "replica_discovery": "STATIC" if all(r.is_ip for r in spec.replicas) else "STRICT_DNS",  # EDS: below
         "replica_endpoints": json.dumps(endpoints),
         "sidecar_socket": json.dumps(str(spec.sidecar_socket)),
         "access_log_path": json.dumps(str(spec.access_log_path)),
     }
     text = Template((TEMPLATE_DIR / "gateway.yaml").read_text()).substitute(values)
-    if not spec.tools and spec.replicas:
-        return text
     config = yaml.safe_load(text)
-    if not spec.replicas:
+    if spec.replicas:
+        _health_check_static_replicas(config, p)
+    else:
         _discover_replicas(config)
     routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "route_config"
@@ -126,6 +131,36 @@ def render(spec: GatewaySpec) -> str:
         routes.insert(0, _tool_route(name, p))
         clusters.append(_tool_cluster(name, endpoint, p))
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def _retry_limits(policy: Policy) -> str:
+    if BUDGET in policy.before_first_delta.require:
+        budget = {
+            "budget_percent": {"value": float(policy.budgets.retry_budget_percent)},
+            "min_retry_concurrency": policy.budgets.min_retry_concurrency,
+        }
+        return json.dumps({"retry_budget": budget})[1:-1]
+    return '"max_retries": 1000000'  # only the per-request budget limits retries
+
+
+def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> None:
+    """Static replicas have no registry heartbeat: Envoy stops sending new attempts to one that fails its
+    /health (the sidecar probes it too, and fences the attempts it holds), never to one merely slow."""
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
+    interval = _seconds(policy.liveness.static_probe_interval_seconds)
+    cluster["health_checks"] = [
+        {
+            "timeout": interval,
+            "interval": interval,
+            "no_traffic_interval": interval,
+            "unhealthy_threshold": policy.liveness.static_probe_failures,
+            "healthy_threshold": 1,
+            "http_health_check": {"path": "/health"},
+        }
+    ]
+    # With every replica failing, answer "no healthy upstream" (replaced by the request's JSON error) rather
+    # than route to replicas known to be down.
+    cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
 
 
 def _discover_replicas(config: dict[str, Any]) -> None:

@@ -17,9 +17,19 @@ from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
 from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.server import SidecarServer
 from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render, validate
-from router_sidecar.runtime.supervise import Child, http_ok, stop_on_signals
+from router_sidecar.runtime.supervise import (
+    Child,
+    ProcessFailed,
+    start_envoy,
+    stop_on_signals,
+    wait_envoy_ready,
+)
 
 log = logging.getLogger(__name__)
+
+# A crashed Envoy is restarted (the streams it carried are lost either way); one that keeps crashing is not.
+ENVOY_RESTARTS = 5
+ENVOY_RESTART_WINDOW_SECONDS = 300.0
 
 
 class GatewayError(Exception):
@@ -67,8 +77,10 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         store=store,
         gateway_id=f"{socket.gethostname()}:{options.listen}",
         discovery=not options.replicas,
+        static_replicas=tuple(map(str, options.replicas)),
     )
     envoy_child: Child | None = None
+    keep_logs = False
     try:
         await server.start()
         spec = GatewaySpec(
@@ -76,68 +88,84 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             replicas=options.replicas,
             sidecar_socket=socket_path,
             access_log_path=work_dir / "access.log",
+            admin_socket=work_dir / "admin.sock",
             tools=options.tools,
             policy=options.policy,
         )
         config_path = work_dir / "envoy.yaml"
         config_path.write_text(render(spec))
         await asyncio.to_thread(validate, envoy, config_path)
-        admin_path = work_dir / "admin-address"
-        envoy_child = Child(
-            "envoy",
-            [
-                envoy,
-                "-c",
-                str(config_path),
-                "--disable-hot-restart",
-                "--log-level",
-                options.envoy_log_level,
-                "--admin-address-path",
-                str(admin_path),
-            ],
-            log_path=work_dir / "envoy.log",
+        envoy_child = await _start_envoy(
+            envoy, config_path, spec.admin_socket, work_dir, options.envoy_log_level
         )
-        await _wait_envoy_ready(envoy_child, admin_path)
         server.start_background()
         print(
             f"ready: gateway on http://{options.listen} → replicas {', '.join(map(str, options.replicas))}; "
             f"etcd {options.etcd}; logs in {work_dir}",
             flush=True,
         )
-        await _wait_for_stop(envoy_child, stop)
-        return 0 if envoy_child.alive() else 1
+        crashes: list[float] = []
+        while True:
+            await _wait_for_stop(envoy_child, stop)
+            if envoy_child.alive():
+                return 0
+            # Envoy died under us, and every stream in flight with it. Keep the evidence, say where, tell the
+            # sidecar (its journal must not call those streams client disconnects), and restart it.
+            keep_logs = True
+            crashes = [t for t in crashes if time.monotonic() - t < ENVOY_RESTART_WINDOW_SECONDS]
+            crashes.append(time.monotonic())
+            kept = work_dir / f"envoy.crash-{len(crashes)}-{int(time.time())}.log"
+            envoy_child.stop()
+            (work_dir / "envoy.log").rename(kept)
+            server.registry.note_envoy_exit()
+            print(
+                f"envoy exited unexpectedly with {envoy_child.proc.returncode}; its log is kept in {kept} "
+                f"(config: {config_path}, access log: {spec.access_log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
+            if len(crashes) > ENVOY_RESTARTS:
+                print(
+                    f"envoy crashed {len(crashes)} times within {ENVOY_RESTART_WINDOW_SECONDS:g} s: "
+                    "giving up (exit 1). Run the gateway under a supervisor that restarts it (systemd "
+                    "Restart=on-failure, a Kubernetes container restart policy).",
+                    file=sys.stderr,
+                )
+                return 1
+            envoy_child = await _start_envoy(
+                envoy, config_path, spec.admin_socket, work_dir, options.envoy_log_level
+            )
+            print(f"restarted envoy (pid {envoy_child.pid})", file=sys.stderr, flush=True)
     finally:
         if envoy_child is not None:
             code = await asyncio.to_thread(envoy_child.stop)
             if code not in (0, -signal.SIGTERM, None):
+                keep_logs = True
                 print(
                     f"envoy exited with {code}; last lines of {envoy_child.log_path}:\n{envoy_child.tail()}",
                     file=sys.stderr,
                 )
         await server.stop()
         await store.close()
-        if owns_work_dir:
+        if owns_work_dir and not keep_logs:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-async def _wait_envoy_ready(child: Child, admin_path: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise GatewayError(f"envoy exited with {child.proc.returncode} during start-up:\n{child.tail()}")
-        address = admin_path.read_text().strip() if admin_path.exists() else ""
-        if address and await asyncio.to_thread(http_ok, f"http://{address}/ready"):
-            return
-        await asyncio.sleep(0.05)
-    raise GatewayError(f"envoy was not ready within {timeout}s:\n{child.tail()}")
+async def _start_envoy(envoy: str, config: Path, admin_socket: Path, work_dir: Path, log_level: str) -> Child:
+    child = start_envoy(envoy, config, name="envoy", log_path=work_dir / "envoy.log", log_level=log_level)
+    (work_dir / "envoy.pid").write_text(f"{child.pid}\n")
+    try:
+        await wait_envoy_ready(child, admin_socket)
+    except ProcessFailed as exc:
+        child.stop()
+        raise GatewayError(str(exc)) from exc
+    return child
 
 
 async def _wait_for_stop(child: Child, stop: asyncio.Event) -> None:
     envoy_exit = asyncio.ensure_future(asyncio.to_thread(child.proc.wait))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({envoy_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if envoy_exit.done():
-        print(f"envoy exited unexpectedly with {child.proc.returncode}:\n{child.tail()}", file=sys.stderr)
     stopped.cancel()
 
 

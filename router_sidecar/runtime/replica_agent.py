@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
 from router_sidecar.coordination.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
 from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
 from router_sidecar.core.fingerprint import (
@@ -43,73 +44,9 @@ __all__ = ["AgentOptions", "EngineDown", "EngineProbe", "ReplicaAgent", "http_ge
 
 log = logging.getLogger("router_sidecar.replica")
 
-_MAX_BODY = 1 << 20
-
 
 class ConfigError(Exception):
     """A start-up or configuration problem: reported on stderr, exit code 2."""
-
-
-class EngineDown(Exception):
-    """The engine did not answer a probe properly; the message says how."""
-
-
-def split_hostport(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
-async def http_get(host: str, port: int, path: str, timeout: float) -> tuple[int, bytes]:
-    """A minimal HTTP/1.1 GET (Connection: close); the project has no HTTP client dependency."""
-    host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            request = (
-                f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\nAccept: application/json\r\n"
-                "User-Agent: router-sidecar-replica\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(request.encode())
-            await writer.drain()
-            raw = b""
-            while len(raw) <= _MAX_BODY:
-                chunk = await reader.read(65536)
-                if not chunk:
-                    break
-                raw += chunk
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if not sep or len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-        raise EngineDown(f"GET {path}: not an HTTP response")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-        body = _dechunk(body)
-    elif b"content-length" in headers and headers[b"content-length"].isdigit():
-        body = body[: int(headers[b"content-length"])]
-    return int(parts[1]), body
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size_line, _, rest = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        data = rest[size + 2 :]
-    return out
 
 
 class EngineProbe:
@@ -327,7 +264,7 @@ async def main_async(args: argparse.Namespace) -> int:
             import tempfile
             from pathlib import Path
 
-            from router_sidecar.extproc.replica_side import ReplicaFront
+            from router_sidecar.runtime.replica_front import ReplicaFront
 
             front = ReplicaFront(
                 store,

@@ -128,6 +128,55 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def envoy_admin(admin_socket: Path, path: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
+    """GET `path` from Envoy's admin interface, over the unix socket it listens on (never a TCP port)."""
+    import http.client
+
+    class _UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(str(admin_socket))
+
+    if not admin_socket.exists():
+        return None
+    connection = _UnixConnection("localhost", timeout=timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    except OSError:
+        return None
+    finally:
+        connection.close()
+
+
+def envoy_ready(admin_socket: Path) -> bool:
+    answer = envoy_admin(admin_socket, "/ready")
+    return answer is not None and answer[0] == 200
+
+
+def start_envoy(
+    envoy: str, config_path: Path, *, name: str, log_path: Path, log_level: str = "warn"
+) -> Child:
+    """Envoy in its own process group, the way every runner here starts it."""
+    argv = [envoy, "-c", str(config_path), "--disable-hot-restart", "--log-level", log_level]
+    return Child(name, argv, log_path=log_path)
+
+
+async def wait_envoy_ready(child: Child, admin_socket: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise ProcessFailed(
+                f"{child.name} exited with {child.proc.returncode} during start-up:\n{child.tail()}"
+            )
+        if await asyncio.to_thread(envoy_ready, admin_socket):
+            return
+        await asyncio.sleep(0.05)
+    raise ProcessFailed(f"{child.name} was not ready within {timeout}s:\n{child.tail()}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from router_sidecar.runtime.supervise import Child, free_port, start_etcd
-from tests.harness import Gateway, Sim, chat, poll, post
+from tests.harness import CREDENTIAL, Gateway, Sim, chat, poll, post
 
 pytestmark = pytest.mark.fault
 
@@ -64,7 +64,7 @@ def test_etcd_down_serving_continues_without_unprovable_retries(
         served = post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=3))
         assert served.status == 200 and len(served.content_chunks()) == 3 and served.data()[-1] == "[DONE]"
         # The journal cannot be read: a clear error, not a wrong answer.
-        lookup = httpx.get(f"{gateway.url}/v1/requests/{served.request_id}", timeout=10)
+        lookup = httpx.get(f"{gateway.url}/v1/requests/{served.request_id}", headers=CREDENTIAL, timeout=10)
         assert lookup.status_code == 503 and lookup.json()["error"]["code"] == "journal_unavailable"
         # A failure before the first delta is NOT retried: nothing could prove the retry safe.
         failed = post(

@@ -29,6 +29,7 @@ from tests.harness import (
     poll,
     post,
     split_events,
+    with_credential,
 )
 
 pytestmark = pytest.mark.fault
@@ -145,7 +146,7 @@ def test_frozen_after_first_delta_ends_with_terminal_frame(cluster: tuple[Gatewa
                 "POST",
                 f"{gateway.url}/v1/chat/completions",
                 json=chat(max_tokens=200),
-                headers={"idempotency-key": key},
+                headers=with_credential({"idempotency-key": key}),
             ) as response,
         ):
             for chunk in response.iter_raw():

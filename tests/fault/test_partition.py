@@ -37,6 +37,7 @@ from tests.harness import (
     poll,
     post,
     split_events,
+    with_credential,
 )
 
 pytestmark = pytest.mark.fault
@@ -291,7 +292,7 @@ def test_partition_after_first_delta_ends_with_terminal_frame(
                     "POST",
                     f"{gateway.url}/v1/chat/completions",
                     json=chat(max_tokens=200),
-                    headers={"idempotency-key": k},
+                    headers=with_credential({"idempotency-key": k}),
                 ) as response,
             ):
                 for chunk in response.iter_raw():

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.harness import Gateway, Sim, chat, post
+from tests.harness import ClientResult, Gateway, Sim, chat, post
 
 pytestmark = pytest.mark.integration
 
@@ -83,27 +82,33 @@ def test_small_prompts_still_retry_under_the_same_policy(capped_gateway: Gateway
 def test_mass_failure_is_bounded_by_the_cluster_retry_budget(capped_gateway: Gateway) -> None:
     # Every first attempt fails (slowly, so they overlap); with a budget of max(1% of active, 1) concurrent
     # retries, Envoy refuses most retries instead of doubling the load on the pool.
-    def one(_: int) -> int:
+    def one(_: int) -> ClientResult:
         headers = {"x-sim-fault": "delay@role for=0.4; reset@role attempt=1"}
-        return post(f"{capped_gateway.url}/v1/chat/completions", chat(max_tokens=2), headers=headers).status
+        return post(f"{capped_gateway.url}/v1/chat/completions", chat(max_tokens=2), headers=headers)
 
     before = retry_counters(capped_gateway)
     with ThreadPoolExecutor(max_workers=10) as pool:
-        statuses = list(pool.map(one, range(10)))
+        results = list(pool.map(one, range(10)))
+    statuses = [r.status for r in results]
     after = retry_counters(capped_gateway)
     overflow = after["upstream_rq_retry_overflow"] - before["upstream_rq_retry_overflow"]
     retried = after["upstream_rq_retry"] - before["upstream_rq_retry"]
     assert overflow >= 1, after
     assert retried + overflow == 10 and statuses.count(200) == retried, (statuses, after)
-    # The refused ones get an honest error (the replica's reset, reported by Envoy), never a partial body.
-    assert all(s in (200, 502, 503) for s in statuses), statuses
+    # The refused ones get one honest JSON error naming why, never a partial body.
+    refused = [r for r in results if r.status != 200]
+    assert len(refused) == overflow
+    for result in refused:
+        assert result.status == 503 and result.headers["content-type"] == "application/json", result
+        error = json.loads(result.body)["error"]
+        assert (error["code"], error["request_id"]) == ("retry_budget_exhausted", result.request_id)
+        journal = capped_gateway.wait_journal(result.request_id, lambda j: j["phase"] == "failed")
+        assert journal["outcome"] == "retry_budget_exhausted"
+        assert all(a["outcome"] == "failed" for a in journal["attempts"]), journal["attempts"]
 
 
 def retry_counters(gateway: Gateway) -> dict[str, int]:
-    admin = (gateway.work / "gw" / "admin-address").read_text().strip()
-    stats = (
-        urllib.request.urlopen(f"http://{admin}/stats?filter=cluster.llm.upstream_rq_retry").read().decode()
-    )
+    stats = gateway.envoy_admin("/stats?filter=cluster.llm.upstream_rq_retry").decode()
     return {
         k.removeprefix("cluster.llm."): int(v)
         for k, v in (ln.split(": ") for ln in stats.strip().splitlines())

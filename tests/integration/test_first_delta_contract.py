@@ -13,7 +13,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import ClientResult, Gateway, Sim, chat, no_overlapping_content, poll, post
+from tests.harness import (
+    ClientResult,
+    Gateway,
+    Sim,
+    chat,
+    no_overlapping_content,
+    poll,
+    post,
+    with_credential,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +118,7 @@ def test_failure_before_first_delta_is_retried_invisibly(
     # Invariant 4: the failed attempt's lease was revoked in etcd before the retry's lease was granted.
     assert first["lease"]["revoked_at"] is not None
     assert first["lease"]["revoked_at"] <= second["lease"]["granted_at"]
-    assert second["outcome"] == "released" and second["replica"] != first["replica"]
+    assert second["outcome"] == "completed" and second["replica"] != first["replica"]
     names = [e["event"] for e in journal["events"]]
     assert names.index("attempt_failed") < names.index("first_delta_sent")
     assert names.count("first_delta_sent") == 1
@@ -146,12 +155,17 @@ def test_all_replicas_dead_gives_json_error_naming_request_and_attempts(
     for sim in sims.values():
         sim.stop()
     result = post(f"{gateway.url}/v1/chat/completions", chat())
-    assert result.status == 503
+    assert result.status == 503 and result.headers["content-type"] == "application/json"
     error = json.loads(result.body)["error"]
-    assert error["request_id"] == result.request_id
-    assert error["attempts"] == 2 and error["partial_output"] is False
+    assert error["request_id"] == result.request_id and error["code"] == "no_replica_available"
+    assert "UF" in error["message"] and error["partial_output"] is False  # Envoy's flags are named
     journal = finished(gateway, result.request_id)
-    assert journal["phase"] == "failed" and journal["first_delta_sent"] is False
+    assert (journal["phase"], journal["outcome"]) == ("failed", "no_replica_available")
+    assert journal["first_delta_sent"] is False
+    assert next(e for e in journal["events"] if e["event"] == "response_replaced")["response_flags"] == [
+        "UF",
+        "URX",
+    ]
 
 
 def test_a_write_ahead_release_that_loses_the_race_is_retried(gateway: Gateway, sims: dict[str, Sim]) -> None:
@@ -279,7 +293,9 @@ def test_client_disconnect_during_prefill_cancels_and_never_retries(
         client.post(
             f"{gateway.url}/v1/chat/completions",
             json=chat(),
-            headers={"x-sim-fault": "delay@role for=5", "idempotency-key": "disconnect-in-prefill"},
+            headers=with_credential(
+                {"x-sim-fault": "delay@role for=5", "idempotency-key": "disconnect-in-prefill"}
+            ),
         )
     attempt = poll(
         lambda: (a := served(sims, "disconnect-in-prefill")) and a[0], what="replica saw the client leave"
@@ -315,7 +331,9 @@ def test_non_streaming_request_is_whole_or_retried(
 ) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
     headers = {"x-sim-fault": fault} if fault else {}
-    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=body, headers=with_credential(headers), timeout=10
+    )
     assert response.status_code == 200
     answer = response.json()
     assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 7
@@ -357,7 +375,9 @@ def test_duplicate_idempotency_key_in_flight_is_409_then_finished_is_409(
     try:
         poll(lambda: served_started(sims, key), what="first request reached a replica")
         second = httpx.post(
-            f"{gateway.url}/v1/chat/completions", json=chat(), headers={"idempotency-key": key}
+            f"{gateway.url}/v1/chat/completions",
+            json=chat(),
+            headers=with_credential({"idempotency-key": key}),
         )
         assert second.status_code == 409
         error = second.json()["error"]
@@ -366,7 +386,9 @@ def test_duplicate_idempotency_key_in_flight_is_409_then_finished_is_409(
         slow.join(10)
     assert_complete_answer(first["r"], 3)
     finished(gateway, key)
-    third = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat(), headers={"idempotency-key": key})
+    third = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=chat(), headers=with_credential({"idempotency-key": key})
+    )
     assert third.status_code == 409 and third.json()["error"]["code"] == "request_already_finished"
     assert len(served(sims, key)) == 1, "a duplicate key must never reach a replica"
 

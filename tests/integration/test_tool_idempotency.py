@@ -18,7 +18,7 @@ import pytest
 
 from router_sidecar.runtime.supervise import free_port
 from router_sidecar.testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
-from tests.harness import Gateway, Sim, chat, poll, post
+from tests.harness import Gateway, Sim, chat, poll, post, with_credential
 
 pytestmark = pytest.mark.integration
 
@@ -81,12 +81,18 @@ def executions(toolsvc: ToolSvcProcess, key: str) -> list[dict[str, Any]]:
     return [e for e in read_executions(toolsvc.log_path) if e.get("key") == key]
 
 
-def call_tool(gateway: Gateway, key: str | None, body: dict[str, Any], **headers: str) -> httpx.Response:
+def call_tool(
+    gateway: Gateway,
+    key: str | None,
+    body: dict[str, Any],
+    path: str = "/tools/payments/charge",
+    **headers: str,
+) -> httpx.Response:
     all_headers = {"content-type": "application/json", **headers}
     if key is not None:
         all_headers["idempotency-key"] = key
     return httpx.post(
-        f"{gateway.url}/tools/payments/charge", content=json.dumps(body), headers=all_headers, timeout=15
+        f"{gateway.url}{path}", content=json.dumps(body), headers=with_credential(all_headers), timeout=15
     )
 
 

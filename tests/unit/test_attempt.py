@@ -1,32 +1,56 @@
 """The attempt machine (upstream filter): hold headers until the first delta, fail before it, release at it.
 
-Every rule is a row: a story is a list of steps, each step an input and the exact decision it must produce.
+Three layers, h11-style:
+* an exhaustive table: every `AttemptState` × every input type, with the next state and the exact decisions,
+  written from the docstrings and DESIGN.md (not from `TRANSITIONS`); pairs the machine must refuse raise;
+* stories: lists of steps, each an input and the exact decisions it must produce;
+* the real vLLM transcripts in seeded random chunkings.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from router_sidecar.core.attempt import (
+    Answer,
     Attempt,
-    AttemptFailed,
     AttemptState,
+    Decision,
+    Failed,
+    FailRequest,
     FailureReason,
-    Hold,
-    PassThrough,
+    FenceProven,
+    FenceUnprovable,
+    IllegalInput,
+    Input,
+    LivenessLost,
     Release,
+    ResponseBody,
+    ResponseHeaders,
+    SettleLease,
+    StartFence,
+    StreamReset,
+    Superseded,
+    TriggerRetry,
+    VerdictReady,
+    WriteAhead,
+    WriteAheadDone,
 )
-from router_sidecar.core.sse import EventKind, SseScanner
+from router_sidecar.core.events import Event, EventName, Outcome
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 SSE = "text/event-stream; charset=utf-8"
 JSON = "application/json"
+# Small bounds, so that the stories can cross them (the policy's defaults are 256 KiB and 1 MiB).
+MAX_HELD = 8192
+MAX_EVENT = 4096
 
 
 def chunk(delta: dict[str, Any] | None = None, *, finish: str | None = None, **top: Any) -> bytes:
@@ -37,13 +61,24 @@ def chunk(delta: dict[str, Any] | None = None, *, finish: str | None = None, **t
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def cr_only(data: bytes) -> bytes:
+    """The same events with CR line endings (JSON never holds a raw line break)."""
+    return data.replace(b"\n", b"\r")
+
+
+def crlf(data: bytes) -> bytes:
+    return data.replace(b"\n", b"\r\n")
+
+
 ROLE = chunk({"role": "assistant", "content": ""})
 CONTENT = chunk({"content": "Hel"})
 ROLE_AND_CONTENT = chunk({"role": "assistant", "content": "Hi"})
 EMPTY_DELTA = chunk({})
 EMPTY_CONTENT = chunk({"content": ""})
 NULL_CONTENT = chunk({"content": None})
+EMPTY_TOOL_CALLS = chunk({"tool_calls": []})
 FINISH_STOP = chunk({}, finish="stop")
+FINISH_LENGTH = chunk({}, finish="length")
 FINISH_ABORT = chunk({}, finish="abort")
 ABORT_WITH_CONTENT = chunk({"content": "x"}, finish="abort")
 USAGE_ONLY = chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3})
@@ -53,283 +88,1118 @@ DONE = b"data: [DONE]\n\n"
 TOOL_CALL = chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f"}}]})
 REASONING = chunk({"reasoning_content": "think"})
 TEXT = b'data: {"object":"text_completion","choices":[{"index":0,"text":"fp","finish_reason":null}]}\n\n'
+EMPTY_TEXT = b'data: {"object":"text_completion","choices":[{"index":0,"text":"","finish_reason":null}]}\n\n'
 
-HOLD = Hold()
-RELEASE_DELTA = Release(first_delta=True)
-RELEASE_EMPTY = Release(first_delta=False)
+RETRY = TriggerRetry("upstream_status")
+FAIL_502 = FailRequest(502, Outcome.RETRIES_EXHAUSTED, "all 2 attempts failed before any content")
+SETTLE = SettleLease("connection_closed")
+
+
+def H(status: int = 200, ctype: str = SSE, **kw: Any) -> ResponseHeaders:
+    return ResponseHeaders(status, ctype, **kw)
+
+
+def B(data: bytes, eos: bool = False) -> ResponseBody:
+    return ResponseBody(data, eos)
+
+
+def new_attempt(outbox: list[Event] | None = None) -> Attempt:
+    return Attempt(
+        attempt_id="att-1",
+        number=1,
+        replica="r1",
+        outbox=outbox if outbox is not None else [],
+        max_held_bytes=MAX_HELD,
+        max_event_bytes=MAX_EVENT,
+    )
+
+
+def drive(inputs: list[Input], outbox: list[Event] | None = None) -> Attempt:
+    attempt = new_attempt(outbox)
+    for event in inputs:
+        attempt.handle(event)
+    return attempt
+
+
+# --- 1. the exhaustive table: every state × every input ---------------------------------------------------
+
+INPUT_TYPES: tuple[type, ...] = typing.get_args(Input)
+
+# One representative input of each type (a row may use another).
+REPRESENTATIVE: dict[type, Input] = {
+    ResponseHeaders: H(200),
+    ResponseBody: B(CONTENT),
+    StreamReset: StreamReset(),
+    LivenessLost: LivenessLost("heartbeat_lapsed"),
+    FenceProven: FenceProven("cancel_ack", 5.0),
+    FenceUnprovable: FenceUnprovable(),
+    WriteAheadDone: WriteAheadDone(),
+    Superseded: Superseded(),
+    VerdictReady: VerdictReady(RETRY),
+}
+
+# How each state is reached, through inputs only (a row may take another way there).
+PATHS: dict[AttemptState, list[Input]] = {
+    AttemptState.AWAITING_HEADERS: [],
+    AttemptState.HOLDING: [H(), B(ROLE)],
+    AttemptState.FENCING: [LivenessLost("heartbeat_lapsed")],  # before any headers
+    AttemptState.WRITING_AHEAD: [H(), B(ROLE), B(CONTENT)],
+    AttemptState.RELEASED: [H(), B(ROLE), B(CONTENT), WriteAheadDone()],
+    AttemptState.PASSED_THROUGH: [H(404, JSON)],
+    AttemptState.FAILED: [H(503, JSON)],  # headers in, stream open, lease not settled, no verdict yet
+}
 
 
 @dataclass(frozen=True)
-class Failed:
-    """Expected: AttemptFailed with this reason (its detail is free text, but never empty)."""
+class Row:
+    """Expected: the next state and the exact decisions (`ILLEGAL`: the machine must raise)."""
 
-    reason: FailureReason
-
-
-def new_attempt() -> Attempt:
-    return Attempt(request_id="req-1", attempt_id="att-1", number=1, replica="r1")
-
-
-def run(steps: list[tuple[Any, ...]]) -> tuple[Attempt, list[Any]]:
-    """Drive an attempt through steps: ("headers", status, ctype) | ("body", bytes, eos) | ("lost",)."""
-    a = new_attempt()
-    out = []
-    for step in steps:
-        if step[0] == "headers":
-            out.append(a.on_response_headers(step[1], step[2]))
-        elif step[0] == "body":
-            out.append(a.on_response_body(step[1], step[2]))
-        else:
-            out.append(a.on_stream_lost())
-    return a, out
+    state: AttemptState | None
+    decisions: list[Decision] = field(default_factory=list)
+    path: list[Input] | None = None  # None: PATHS[state]
+    input: Input | None = None  # None: REPRESENTATIVE[type]
 
 
-def H(status: int = 200, ctype: str = SSE) -> tuple[Any, ...]:
-    return ("headers", status, ctype)
+ILLEGAL = Row(None)
+S = AttemptState
+_AH, _HO, _FE, _WA, _RE, _PT, _FA = (
+    S.AWAITING_HEADERS,
+    S.HOLDING,
+    S.FENCING,
+    S.WRITING_AHEAD,
+    S.RELEASED,
+    S.PASSED_THROUGH,
+    S.FAILED,
+)
+FENCING_WITH_HEADERS = [H(), B(ROLE), LivenessLost("heartbeat_lapsed")]
+FAILED_BY_FENCE_WITH_VERDICT = [
+    LivenessLost("heartbeat_lapsed"),
+    FenceProven("cancel_ack"),
+    VerdictReady(RETRY),
+]
+FAILED_BY_RESET = [StreamReset()]
+
+EXPECTED: dict[tuple[AttemptState, type], Row] = {
+    # Sent to its replica, no response headers yet.
+    (_AH, ResponseHeaders): Row(_HO),
+    (_AH, ResponseBody): ILLEGAL,  # Envoy never sends a body before its headers
+    (_AH, StreamReset): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    (_AH, LivenessLost): Row(_FE, [StartFence()]),
+    (_AH, FenceProven): ILLEGAL,  # no fence and no settlement was started
+    (_AH, FenceUnprovable): ILLEGAL,
+    (_AH, WriteAheadDone): ILLEGAL,
+    (_AH, Superseded): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    (_AH, VerdictReady): ILLEGAL,  # a verdict answers a failure
+    # 2xx headers and every chunk held.
+    (_HO, ResponseHeaders): ILLEGAL,  # headers twice
+    (_HO, ResponseBody): Row(_WA, [WriteAhead()]),
+    (_HO, StreamReset): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    (_HO, LivenessLost): Row(_FE, [StartFence()]),
+    (_HO, FenceProven): ILLEGAL,
+    (_HO, FenceUnprovable): ILLEGAL,
+    (_HO, WriteAheadDone): ILLEGAL,
+    (_HO, Superseded): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    (_HO, VerdictReady): ILLEGAL,
+    # Liveness uncertain: waiting for the proof that it stopped; nothing is decided before it.
+    (_FE, ResponseHeaders): Row(_FE),  # kept for the answer
+    (_FE, ResponseBody): Row(_FE, path=FENCING_WITH_HEADERS),  # never released
+    (_FE, StreamReset): Row(_FE),  # the fence goes on: a closed connection proves nothing now
+    (_FE, LivenessLost): Row(_FE),  # already fencing: no second fence
+    (_FE, FenceProven): Row(_FA, [Failed(FailureReason.REPLICA_LOST)]),
+    (_FE, FenceUnprovable): Row(_FA, [Failed(FailureReason.REPLICA_LOST, fence_proven=False)]),
+    (_FE, WriteAheadDone): ILLEGAL,  # the shell feeds it only while writing ahead
+    (_FE, Superseded): Row(_FE),
+    (_FE, VerdictReady): ILLEGAL,  # not failed yet
+    # First delta found: first_delta_sent is being made durable.
+    (_WA, ResponseHeaders): ILLEGAL,
+    (_WA, ResponseBody): Row(_WA),  # held with the rest
+    (_WA, StreamReset): Row(_FA, [Failed(FailureReason.LOST_BEFORE_RELEASE), SETTLE]),
+    (_WA, LivenessLost): Row(_FE, [StartFence()]),  # not released yet: fence it
+    (_WA, FenceProven): ILLEGAL,
+    (_WA, FenceUnprovable): ILLEGAL,
+    (_WA, WriteAheadDone): Row(_RE, [Release(2)]),
+    (_WA, Superseded): Row(_FA, [Failed(FailureReason.LOST_BEFORE_RELEASE), SETTLE]),
+    (_WA, VerdictReady): ILLEGAL,
+    # Released: the downstream owns the rest of the stream.
+    (_RE, ResponseHeaders): ILLEGAL,
+    (_RE, ResponseBody): Row(_RE),
+    (_RE, StreamReset): Row(_RE),  # the downstream ends the client stream (or sees the reset)
+    (_RE, LivenessLost): Row(_RE),  # the downstream watches the publisher
+    (_RE, FenceProven): ILLEGAL,
+    (_RE, FenceUnprovable): ILLEGAL,
+    (_RE, WriteAheadDone): ILLEGAL,  # twice
+    (_RE, Superseded): Row(_FA, [Failed(FailureReason.LOST_BEFORE_RELEASE), SETTLE]),  # never reached Envoy
+    (_RE, VerdictReady): ILLEGAL,
+    # Not a replica failure (4xx): released unchanged.
+    (_PT, ResponseHeaders): ILLEGAL,
+    (_PT, ResponseBody): Row(_PT),
+    (_PT, StreamReset): Row(_PT),
+    (_PT, LivenessLost): Row(_PT),
+    (_PT, FenceProven): ILLEGAL,
+    (_PT, FenceUnprovable): ILLEGAL,
+    (_PT, WriteAheadDone): ILLEGAL,
+    (_PT, Superseded): Row(_PT),
+    (_PT, VerdictReady): ILLEGAL,
+    # Failed before release: the verdict is (or will be) its answer.
+    (_FA, ResponseHeaders): Row(_FA, [Answer(RETRY, 0)], path=FAILED_BY_FENCE_WITH_VERDICT),  # deferred
+    (_FA, ResponseBody): Row(_FA),  # a failed attempt's bytes are never released
+    (_FA, StreamReset): Row(_FA, [SETTLE]),  # its connection is closed now: that fences it
+    (_FA, LivenessLost): Row(_FA),
+    (_FA, FenceProven): Row(_FA, [], path=FAILED_BY_RESET, input=FenceProven("connection_closed")),
+    (_FA, FenceUnprovable): ILLEGAL,  # only a fence's wait ends unprovable, and it ended already
+    (_FA, WriteAheadDone): ILLEGAL,  # the shell feeds it only while writing ahead
+    (_FA, Superseded): Row(_FA, [SETTLE]),
+    (_FA, VerdictReady): Row(_FA, [SETTLE, Answer(RETRY, 0)]),  # the lease first, then the answer
+}
 
 
-def B(data: bytes, eos: bool = False) -> tuple[Any, ...]:
-    return ("body", data, eos)
+def test_table_covers_every_state_and_input() -> None:
+    assert len(INPUT_TYPES) == 9  # the union of inputs was read
+    assert set(EXPECTED) == {(s, t) for s in AttemptState for t in INPUT_TYPES}
+    assert set(REPRESENTATIVE) == set(INPUT_TYPES)
+    assert set(PATHS) == set(AttemptState)
 
 
-LOST = ("lost",)
+@pytest.mark.parametrize("state", list(AttemptState), ids=lambda s: s.value)
+def test_paths_reach_their_state(state: AttemptState) -> None:
+    assert drive(PATHS[state]).state is state
 
 
-def check(decisions: list[Any], expected: list[Any]) -> None:
-    assert len(decisions) == len(expected)
-    for got, want in zip(decisions, expected, strict=True):
-        if isinstance(want, Failed):
-            assert isinstance(got, AttemptFailed), got
-            assert got.reason is want.reason
-            assert got.detail  # a human-readable detail is always given
-        else:
-            assert got == want
+@pytest.mark.parametrize(
+    ("state", "kind"), list(EXPECTED), ids=[f"{s.value}-{t.__name__}" for s, t in EXPECTED]
+)
+def test_transition_table(state: AttemptState, kind: type) -> None:
+    row = EXPECTED[(state, kind)]
+    attempt = drive(row.path if row.path is not None else PATHS[state])
+    assert attempt.state is state
+    event = row.input if row.input is not None else REPRESENTATIVE[kind]
+    assert type(event) is kind
+    if row is ILLEGAL:
+        with pytest.raises(IllegalInput, match="att-1"):
+            attempt.handle(event)
+        assert attempt.state is state  # a refused input changes nothing
+        return
+    assert attempt.handle(event) == row.decisions
+    assert attempt.state is row.state
 
 
-# (id, steps, expected decisions, final state or None: not checked)
-STORIES: list[tuple[str, list[tuple[Any, ...]], list[Any], AttemptState | None]] = [
-    # --- first delta: release on the chunk that completes the first content event -------------------------
-    ("role_then_content", [H(), B(ROLE), B(CONTENT)], [HOLD, HOLD, RELEASE_DELTA], AttemptState.RELEASED),
-    ("role_and_content_one_event", [H(), B(ROLE_AND_CONTENT)], [HOLD, RELEASE_DELTA], AttemptState.RELEASED),
-    ("role_and_content_one_chunk", [H(), B(ROLE + CONTENT)], [HOLD, RELEASE_DELTA], AttemptState.RELEASED),
-    (
+# --- 2. stories: each step an input and the exact decisions ------------------------------------------------
+
+Step = tuple[Input, list[Decision]]
+
+
+@dataclass(frozen=True)
+class Story:
+    id: str
+    steps: list[Step]
+    state: AttemptState
+    first_delta: bool | None = None  # None: not checked
+    failure: FailureReason | None = None
+
+
+def _f(reason: FailureReason, fence_proven: bool = True) -> list[Decision]:
+    return [Failed(reason, fence_proven)]
+
+
+WA: list[Decision] = [WriteAhead()]
+NONE: list[Decision] = []
+R = FailureReason
+
+STORIES: list[Story] = [
+    # --- first delta: write ahead on the chunk that completes the first content event, then release ------
+    Story(
+        "role_then_content",
+        [(H(), NONE), (B(ROLE), NONE), (B(CONTENT), WA), (WriteAheadDone(), [Release(2)])],
+        S.RELEASED,
+        True,
+    ),
+    Story(
+        "role_and_content_one_event",
+        [(H(), NONE), (B(ROLE_AND_CONTENT), WA), (WriteAheadDone(), [Release(1)])],
+        S.RELEASED,
+        True,
+    ),
+    Story(
+        "role_and_content_one_chunk",
+        [(H(), NONE), (B(ROLE + CONTENT), WA), (WriteAheadDone(), [Release(1)])],
+        S.RELEASED,
+        True,
+    ),
+    Story(
         "content_event_split_in_json",
-        [H(), B(ROLE), B(CONTENT[:30]), B(CONTENT[30:])],
-        [HOLD, HOLD, HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(ROLE), NONE), (B(CONTENT[:30]), NONE), (B(CONTENT[30:]), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    (
+    Story(
         "content_event_split_before_blank_line",
-        [H(), B(ROLE + CONTENT[:-1]), B(CONTENT[-1:])],
-        [HOLD, HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(ROLE + CONTENT[:-1]), NONE), (B(CONTENT[-1:]), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    (
+    Story(
         "content_event_split_in_three",
-        [H(), B(CONTENT[:5]), B(CONTENT[5:-2]), B(CONTENT[-2:])],
-        [HOLD, HOLD, HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(CONTENT[:5]), NONE), (B(CONTENT[5:-2]), NONE), (B(CONTENT[-2:]), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    (
-        "tool_call_is_a_delta",
-        [H(), B(ROLE), B(TOOL_CALL)],
-        [HOLD, HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+    Story(
+        "chunks_while_writing_ahead_are_released_too",
+        [
+            (H(), NONE),
+            (B(ROLE), NONE),
+            (B(CONTENT), WA),
+            (B(CONTENT), NONE),
+            (B(DONE, True), NONE),
+            (WriteAheadDone(), [Release(4)]),
+        ],
+        S.RELEASED,
+        True,
     ),
-    ("reasoning_is_a_delta", [H(), B(REASONING)], [HOLD, RELEASE_DELTA], AttemptState.RELEASED),
-    ("completions_text_is_a_delta", [H(), B(TEXT)], [HOLD, RELEASE_DELTA], AttemptState.RELEASED),
-    (
+    Story("tool_call_is_a_delta", [(H(), NONE), (B(ROLE), NONE), (B(TOOL_CALL), WA)], S.WRITING_AHEAD, True),
+    Story("reasoning_is_a_delta", [(H(), NONE), (B(REASONING), WA)], S.WRITING_AHEAD, True),
+    Story("completions_text_is_a_delta", [(H(), NONE), (B(TEXT), WA)], S.WRITING_AHEAD, True),
+    Story(
         "content_then_error_in_one_chunk_releases",
-        [H(), B(CONTENT + ERROR)],
-        [HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(CONTENT + ERROR), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    # --- not a delta: hold ---------------------------------------------------------------------------------
-    (
-        "keepalive_and_empty_deltas_hold",
-        [H(), B(KEEPALIVE), B(ROLE), B(EMPTY_DELTA), B(EMPTY_CONTENT), B(NULL_CONTENT), B(USAGE_ONLY)],
-        [HOLD] * 7,
-        AttemptState.HOLDING,
+    Story(
+        "media_type_is_case_insensitive",
+        [(H(200, "Text/Event-Stream"), NONE), (B(CONTENT), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    (
-        "keepalive_then_content",
-        [H(), B(KEEPALIVE), B(CONTENT)],
-        [HOLD, HOLD, RELEASE_DELTA],
-        AttemptState.RELEASED,
+    Story(
+        "identity_encoding_is_plain",
+        [(H(200, SSE, content_encoding="Identity"), NONE), (B(CONTENT), WA)],
+        S.WRITING_AHEAD,
+        True,
     ),
-    ("empty_chunk_holds", [H(), B(b"")], [HOLD, HOLD], AttemptState.HOLDING),
-    # --- failures before the first delta ---------------------------------------------------------------
-    (
+    # --- not a delta: hold -------------------------------------------------------------------------------
+    Story(
+        "keepalive_role_and_empty_deltas_hold",
+        [
+            (H(), NONE),
+            (B(KEEPALIVE), NONE),
+            (B(ROLE), NONE),
+            (B(EMPTY_DELTA), NONE),
+            (B(EMPTY_CONTENT), NONE),
+            (B(NULL_CONTENT), NONE),
+            (B(EMPTY_TOOL_CALLS), NONE),
+            (B(EMPTY_TEXT), NONE),
+        ],
+        S.HOLDING,
+        False,
+    ),
+    Story("usage_only_holds", [(H(), NONE), (B(ROLE), NONE), (B(USAGE_ONLY), NONE)], S.HOLDING, False),
+    Story(
+        "keepalive_then_content", [(H(), NONE), (B(KEEPALIVE), NONE), (B(CONTENT), WA)], S.WRITING_AHEAD, True
+    ),
+    Story("empty_chunk_holds", [(H(), NONE), (B(b""), NONE)], S.HOLDING, False),
+    # --- failures before the first delta --------------------------------------------------------------
+    Story(
         "error_event_before_content",
-        [H(), B(ROLE), B(ERROR)],
-        [HOLD, HOLD, Failed(FailureReason.ERROR_EVENT)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ROLE), NONE), (B(ERROR), _f(R.ERROR_EVENT))],
+        S.FAILED,
+        False,
+        R.ERROR_EVENT,
     ),
-    (
+    Story(
         "error_event_then_content_in_one_chunk",
-        [H(), B(ERROR + CONTENT)],
-        [HOLD, Failed(FailureReason.ERROR_EVENT)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ERROR + CONTENT), _f(R.ERROR_EVENT))],
+        S.FAILED,
+        False,
+        R.ERROR_EVENT,
     ),
-    (
+    Story(
         "abort_before_content",
-        [H(), B(ROLE), B(FINISH_ABORT)],
-        [HOLD, HOLD, Failed(FailureReason.ABORTED)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ROLE), NONE), (B(FINISH_ABORT), _f(R.ABORTED))],
+        S.FAILED,
+        False,
+        R.ABORTED,
     ),
-    (
+    Story(
         "abort_event_carrying_content",
-        [H(), B(ROLE), B(ABORT_WITH_CONTENT)],
-        [HOLD, HOLD, Failed(FailureReason.ABORTED)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ROLE), NONE), (B(ABORT_WITH_CONTENT), _f(R.ABORTED))],
+        S.FAILED,
+        False,
+        R.ABORTED,
     ),
-    (
+    Story(
         "end_without_done_or_finish",
-        [H(), B(ROLE), B(b"", True)],
-        [HOLD, HOLD, Failed(FailureReason.ENDED_WITHOUT_DONE)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ROLE), NONE), (B(b"", True), _f(R.ENDED_WITHOUT_DONE))],
+        S.FAILED,
+        False,
+        R.ENDED_WITHOUT_DONE,
     ),
-    (
+    Story(
         "end_with_incomplete_content_event",
-        [H(), B(ROLE + CONTENT[:-2], True)],
-        [HOLD, Failed(FailureReason.ENDED_WITHOUT_DONE)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(ROLE + CONTENT[:-2], True), _f(R.ENDED_WITHOUT_DONE))],
+        S.FAILED,
+        False,
+        R.ENDED_WITHOUT_DONE,
     ),
-    (
+    Story(
         "end_of_empty_body",
-        [H(), B(b"", True)],
-        [HOLD, Failed(FailureReason.ENDED_WITHOUT_DONE)],
-        AttemptState.FAILED,
+        [(H(), NONE), (B(b"", True), _f(R.ENDED_WITHOUT_DONE))],
+        S.FAILED,
+        False,
+        R.ENDED_WITHOUT_DONE,
     ),
-    ("status_500", [H(500)], [Failed(FailureReason.UPSTREAM_STATUS)], AttemptState.FAILED),
-    ("status_503", [H(503)], [Failed(FailureReason.UPSTREAM_STATUS)], AttemptState.FAILED),
-    ("status_599_json", [H(599, JSON)], [Failed(FailureReason.UPSTREAM_STATUS)], AttemptState.FAILED),
-    # --- a complete generation without content: nothing to retry ------------------------------------------
-    (
+    Story("status_500", [(H(500), _f(R.UPSTREAM_STATUS))], S.FAILED, False, R.UPSTREAM_STATUS),
+    Story("status_503", [(H(503), _f(R.UPSTREAM_STATUS))], S.FAILED, False, R.UPSTREAM_STATUS),
+    Story("status_599_json", [(H(599, JSON), _f(R.UPSTREAM_STATUS))], S.FAILED, False, R.UPSTREAM_STATUS),
+    Story("status_429", [(H(429, JSON, retry_after="7"), _f(R.OVERLOADED))], S.FAILED, False, R.OVERLOADED),
+    Story(
+        "gzip_before_content",
+        [(H(200, SSE, content_encoding="gzip"), _f(R.CONTENT_ENCODED))],
+        S.FAILED,
+        False,
+        R.CONTENT_ENCODED,
+    ),
+    Story(
+        "br_json_before_content",
+        [(H(200, JSON, content_encoding="BR"), _f(R.CONTENT_ENCODED))],
+        S.FAILED,
+        False,
+        R.CONTENT_ENCODED,
+    ),
+    Story(
+        "stream_held_past_max_held_bytes",
+        [(H(), NONE), (B(KEEPALIVE * 400), NONE), (B(KEEPALIVE * 200), _f(R.RESPONSE_TOO_LARGE))],
+        S.FAILED,
+        False,
+        R.RESPONSE_TOO_LARGE,
+    ),
+    Story(
+        "one_event_over_max_event_bytes",
+        [
+            (H(), NONE),
+            (B(ROLE), NONE),
+            (B(b'data: {"choices":[{"delta":{"x":"' + b"a" * 3000), NONE),
+            (B(b"a" * 2000), _f(R.EVENT_TOO_LARGE)),
+        ],
+        S.FAILED,
+        False,
+        R.EVENT_TOO_LARGE,
+    ),
+    # --- a complete generation without content: nothing to retry, released without a first delta --------
+    Story(
         "empty_generation_finish_and_done",
-        [H(), B(ROLE), B(FINISH_STOP), B(DONE, True)],
-        [HOLD, HOLD, HOLD, RELEASE_EMPTY],
-        AttemptState.RELEASED,
+        [
+            (H(), NONE),
+            (B(ROLE), NONE),
+            (B(FINISH_STOP), NONE),
+            (B(DONE, True), WA),
+            (WriteAheadDone(), [Release(3)]),
+        ],
+        S.RELEASED,
+        False,
     ),
-    (
+    Story(
         "empty_generation_one_chunk",
-        [H(), B(ROLE + FINISH_STOP + USAGE_ONLY + DONE, True)],
-        [HOLD, RELEASE_EMPTY],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(ROLE + FINISH_STOP + USAGE_ONLY + DONE, True), WA)],
+        S.WRITING_AHEAD,
+        False,
     ),
-    (
+    Story(
         "empty_generation_done_before_end_of_stream",
-        [H(), B(ROLE + FINISH_STOP + DONE)],
-        [HOLD, RELEASE_EMPTY],
-        AttemptState.RELEASED,
+        [(H(), NONE), (B(ROLE + FINISH_STOP + DONE), WA)],
+        S.WRITING_AHEAD,
+        False,
     ),
-    (
-        "finish_stop_then_end_without_done",
-        [H(), B(ROLE + FINISH_STOP), B(b"", True)],
-        [HOLD, HOLD, RELEASE_EMPTY],
-        AttemptState.RELEASED,
+    Story(
+        "finish_then_clean_end_without_done",
+        [(H(), NONE), (B(ROLE + FINISH_LENGTH), NONE), (B(b"", True), WA), (WriteAheadDone(), [Release(2)])],
+        S.RELEASED,
+        False,
     ),
-    # --- not replica failures: pass through ------------------------------------------------------------
-    ("status_400", [H(400, JSON)], [PassThrough(400)], AttemptState.PASSED_THROUGH),
-    ("status_404", [H(404, JSON)], [PassThrough(404)], AttemptState.PASSED_THROUGH),
-    ("status_429", [H(429, JSON)], [PassThrough(429)], AttemptState.PASSED_THROUGH),
-    # --- non-streamed JSON: delivered whole --------------------------------------------------------------
-    (
+    # --- CR-only line endings ----------------------------------------------------------------------------
+    Story(
+        "cr_only_content_releases",
+        [(H(), NONE), (B(cr_only(ROLE + CONTENT) + b"d"), WA)],
+        S.WRITING_AHEAD,
+        True,
+    ),
+    Story(
+        "cr_only_empty_generation_done_at_the_very_end",
+        [(H(), NONE), (B(cr_only(ROLE + FINISH_STOP)), NONE), (B(b"data: [DONE]\r\r", True), WA)],
+        S.WRITING_AHEAD,
+        False,
+    ),
+    Story(
+        "cr_only_done_then_separate_end",
+        [(H(), NONE), (B(cr_only(ROLE + FINISH_STOP + DONE)), NONE), (B(b"", True), WA)],
+        S.WRITING_AHEAD,
+        False,
+    ),
+    # --- not replica failures: passed through ---------------------------------------------------------
+    Story("status_400", [(H(400, JSON), [Release(0)])], S.PASSED_THROUGH, False),
+    Story("status_404", [(H(404, JSON), [Release(0)])], S.PASSED_THROUGH, False),
+    Story(
+        "status_413_gzip", [(H(413, JSON, content_encoding="gzip"), [Release(0)])], S.PASSED_THROUGH, False
+    ),
+    # --- a non-stream JSON answer is its content: held until its end, or until too large ----------------
+    Story(
         "json_held_until_end_of_stream",
-        [H(200, JSON), B(b'{"id":"chatcmpl-1","choices":[{"mess'), B(b'age":{}}]}'), B(b"", True)],
-        [HOLD, HOLD, HOLD, RELEASE_DELTA],
-        None,  # see test_json_release_then_lost_is_no_failure
+        [
+            (H(200, JSON), NONE),
+            (B(b'{"id":"chatcmpl-1","choices":[{"mess'), NONE),
+            (B(b'age":{}}]}'), NONE),
+            (B(b"", True), WA),
+            (WriteAheadDone(), [Release(3)]),
+        ],
+        S.RELEASED,
+        True,
     ),
-    ("json_whole_body_at_once", [H(200, JSON), B(b"{}", True)], [HOLD, RELEASE_DELTA], None),
-    # --- the stream is lost ----------------------------------------------------------------------------
-    ("lost_awaiting_headers", [LOST], [Failed(FailureReason.CONNECTION_LOST)], AttemptState.FAILED),
-    (
-        "lost_holding",
-        [H(), B(ROLE), LOST],
-        [HOLD, HOLD, Failed(FailureReason.CONNECTION_LOST)],
-        AttemptState.FAILED,
+    Story("json_whole_body_at_once", [(H(200, JSON), NONE), (B(b"{}", True), WA)], S.WRITING_AHEAD, True),
+    Story(
+        "json_over_max_held_bytes_released_early",
+        [
+            (H(200, JSON), NONE),
+            (B(b'{"x":"' + b"a" * 5000), NONE),
+            (B(b"a" * 5000), WA),
+            (B(b"a"), NONE),
+            (WriteAheadDone(), [Release(3)]),
+        ],
+        S.RELEASED,
+        True,
     ),
-    (
-        "lost_holding_json",
-        [H(200, JSON), B(b"{"), LOST],
-        [HOLD, HOLD, Failed(FailureReason.CONNECTION_LOST)],
-        AttemptState.FAILED,
+    Story(
+        "json_abort_split_across_chunks",
+        [
+            (H(200, JSON), NONE),
+            (B(b'{"choices":[{"index":0,"message":{"content":"a b"},"finish_rea'), NONE),
+            (B(b'son": "abort"}]}', True), _f(R.ABORTED)),
+        ],
+        S.FAILED,
+        False,
+        R.ABORTED,
     ),
-    ("lost_after_release", [H(), B(CONTENT), LOST], [HOLD, RELEASE_DELTA, HOLD], AttemptState.RELEASED),
-    ("lost_after_pass_through", [H(404, JSON), LOST], [PassThrough(404), HOLD], AttemptState.PASSED_THROUGH),
-    (
-        "lost_after_failure_is_not_a_second_failure",
-        [H(503), LOST],
-        [Failed(FailureReason.UPSTREAM_STATUS), HOLD],
-        AttemptState.FAILED,
+    Story(
+        "json_abort_before_its_end",
+        [(H(200, JSON), NONE), (B(b'{"choices":[{"finish_reason":"abort"'), _f(R.ABORTED))],
+        S.FAILED,
+        False,
+        R.ABORTED,
+    ),
+    Story(
+        "json_escaped_abort_is_text",
+        [
+            (H(200, JSON), NONE),
+            (B(b'{"choices":[{"message":{"content":"\\"finish_reason\\": \\"abort\\""}'), NONE),
+            (B(b"}]}", True), WA),
+        ],
+        S.WRITING_AHEAD,
+        True,
+    ),
+    Story(
+        "json_released_early_then_abort_is_the_downstreams",
+        [
+            (H(200, JSON), NONE),
+            (B(b'{"x":"' + b"a" * 9000), WA),
+            (B(b'","finish_reason":"abort"}', True), NONE),
+            (WriteAheadDone(), [Release(2)]),
+        ],
+        S.RELEASED,
+        True,
+    ),
+    # --- liveness lost: fence first ------------------------------------------------------------------
+    Story(
+        "liveness_lost_awaiting_headers",
+        [
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (FenceProven("cancel_ack", 3.0), _f(R.REPLICA_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "progress_gap_while_holding",
+        [
+            (H(), NONE),
+            (B(ROLE), NONE),
+            (LivenessLost("progress_gap"), [StartFence()]),
+            (FenceProven("lease_expiry"), _f(R.PATH_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.PATH_LOST,
+    ),
+    Story(
+        "lease_lost_while_writing_ahead",
+        [
+            (H(), NONE),
+            (B(CONTENT), WA),
+            (LivenessLost("lease_lost"), [StartFence()]),
+            (FenceProven("cancel_ack"), _f(R.LEASE_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.LEASE_LOST,
+    ),
+    Story(
+        "fence_unprovable",
+        [
+            (H(), NONE),
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (FenceUnprovable(), _f(R.REPLICA_LOST, fence_proven=False)),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "second_liveness_loss_starts_no_second_fence",
+        [
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (LivenessLost("progress_gap"), NONE),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "headers_during_a_fence_answered_once_the_verdict_is_ready",
+        [
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (H(), NONE),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+            (VerdictReady(RETRY), [Answer(RETRY, 0)]),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "verdict_before_headers_waits_for_them",
+        [
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+            (VerdictReady(RETRY), NONE),
+            (H(), [Answer(RETRY, 0)]),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "fail_request_before_headers_waits_for_them",
+        [
+            (LivenessLost("progress_gap"), [StartFence()]),
+            (FenceUnprovable(), _f(R.PATH_LOST, False)),
+            (VerdictReady(FAIL_502), NONE),
+            (H(503), [Answer(FAIL_502, 0)]),
+        ],
+        S.FAILED,
+        False,
+        R.PATH_LOST,
+    ),
+    Story(
+        "chunks_during_a_fence_are_answered_with_the_retry",
+        # Envoy holds every chunk it sent until it is answered, and retries only then (`Answer`).
+        [
+            (H(), NONE),
+            (B(ROLE), NONE),
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (B(ROLE), NONE),
+            (B(CONTENT), NONE),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+            (VerdictReady(RETRY), [Answer(RETRY, 3)]),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    # --- nothing is answered after the stream is gone --------------------------------------------------
+    Story(
+        "fenced_attempt_whose_stream_is_gone",
+        [
+            (H(), NONE),
+            (LivenessLost("heartbeat_lapsed"), [StartFence()]),
+            (StreamReset(), NONE),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+            (VerdictReady(RETRY), NONE),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "failed_attempt_whose_stream_is_gone",
+        [
+            (H(503), _f(R.UPSTREAM_STATUS)),
+            (StreamReset(), [SETTLE]),
+            (VerdictReady(RETRY), NONE),
+            (FenceProven("connection_closed"), NONE),
+        ],
+        S.FAILED,
+        False,
+        R.UPSTREAM_STATUS,
+    ),
+    Story(
+        "reset_awaiting_headers_no_answer",
+        [(StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE]), (VerdictReady(RETRY), NONE), (H(), NONE)],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    # --- the verdict's answer: the lease first, a retry lets the held chunks go --------------------------
+    Story(
+        "settle_before_answer",
+        [
+            (H(503), _f(R.UPSTREAM_STATUS)),
+            (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 0)]),
+            (StreamReset(), NONE),
+            (FenceProven("connection_closed"), NONE),
+        ],
+        S.FAILED,
+        False,
+        R.UPSTREAM_STATUS,
+    ),
+    Story(
+        "retry_answer_carries_the_held_chunks",
+        [
+            (H(), NONE),
+            (B(KEEPALIVE), NONE),
+            (B(ROLE), NONE),
+            (B(ERROR), _f(R.ERROR_EVENT)),
+            (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 3)]),
+        ],
+        S.FAILED,
+        False,
+        R.ERROR_EVENT,
+    ),
+    Story(
+        "fail_request_answer_carries_no_chunks",
+        [
+            (H(), NONE),
+            (B(KEEPALIVE), NONE),
+            (B(ROLE), NONE),
+            (B(ERROR), _f(R.ERROR_EVENT)),
+            (VerdictReady(FAIL_502), [SETTLE, Answer(FAIL_502, 0)]),
+        ],
+        S.FAILED,
+        False,
+        R.ERROR_EVENT,
+    ),
+    Story(
+        "second_verdict_is_not_answered",
+        [
+            (H(429), _f(R.OVERLOADED)),
+            (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 0)]),
+            (VerdictReady(FAIL_502), NONE),
+        ],
+        S.FAILED,
+        False,
+        R.OVERLOADED,
+    ),
+    # --- the stream is reset ------------------------------------------------------------------------------
+    Story(
+        "reset_awaiting_headers",
+        [(StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE])],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    Story(
+        "reset_holding",
+        [(H(), NONE), (B(ROLE), NONE), (StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE])],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    Story(
+        "reset_holding_json",
+        [(H(200, JSON), NONE), (B(b"{"), NONE), (StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE])],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    Story(
+        "reset_with_liveness_uncertain_awaiting_headers",
+        [
+            (StreamReset(liveness_uncertain=True), [StartFence()]),
+            (FenceProven("lease_expiry"), _f(R.REPLICA_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "reset_with_liveness_uncertain_holding",
+        [(H(), NONE), (B(ROLE), NONE), (StreamReset(liveness_uncertain=True), [StartFence()])],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "reset_writing_ahead",
+        [(H(), NONE), (B(CONTENT), WA), (StreamReset(), [*_f(R.LOST_BEFORE_RELEASE), SETTLE])],
+        S.FAILED,
+        False,
+        R.LOST_BEFORE_RELEASE,
+    ),
+    Story(
+        "reset_with_liveness_uncertain_writing_ahead",
+        # Nothing was released yet, and the replica may run on: fenced like a live attempt.
+        [(H(), NONE), (B(CONTENT), WA), (StreamReset(liveness_uncertain=True), [StartFence()])],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "reset_after_release_is_the_downstreams",
+        [(H(), NONE), (B(CONTENT), WA), (WriteAheadDone(), [Release(1)]), (StreamReset(), NONE)],
+        S.RELEASED,
+        True,
+    ),
+    Story(
+        "reset_after_pass_through",
+        [(H(404, JSON), [Release(0)]), (StreamReset(), NONE)],
+        S.PASSED_THROUGH,
+        False,
+    ),
+    Story(
+        "reset_after_failure_is_not_a_second_failure",
+        [(H(503), _f(R.UPSTREAM_STATUS)), (StreamReset(), [SETTLE])],
+        S.FAILED,
+        False,
+        R.UPSTREAM_STATUS,
+    ),
+    # --- superseded: Envoy started the next attempt ------------------------------------------------
+    Story(
+        "superseded_awaiting_headers",
+        [(Superseded(), [*_f(R.CONNECTION_LOST), SETTLE])],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    Story(
+        "superseded_awaiting_headers_liveness_uncertain",
+        [(Superseded(liveness_uncertain=True), [StartFence()])],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "superseded_holding",
+        [(H(), NONE), (B(ROLE), NONE), (Superseded(), [*_f(R.CONNECTION_LOST), SETTLE])],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
+    ),
+    Story(
+        "superseded_holding_liveness_uncertain",
+        [
+            (H(), NONE),
+            (Superseded(liveness_uncertain=True), [StartFence()]),
+            (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
+        ],
+        S.FAILED,
+        False,
+        R.REPLICA_LOST,
+    ),
+    Story(
+        "superseded_writing_ahead",
+        [(H(), NONE), (B(CONTENT), WA), (Superseded(), [*_f(R.LOST_BEFORE_RELEASE), SETTLE])],
+        S.FAILED,
+        False,
+        R.LOST_BEFORE_RELEASE,
+    ),
+    Story(
+        "superseded_writing_ahead_liveness_uncertain",
+        [(H(), NONE), (B(CONTENT), WA), (Superseded(liveness_uncertain=True), [StartFence()])],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "superseded_released",
+        [
+            (H(), NONE),
+            (B(CONTENT), WA),
+            (WriteAheadDone(), [Release(1)]),
+            (Superseded(), [*_f(R.LOST_BEFORE_RELEASE), SETTLE]),
+        ],
+        S.FAILED,
+        False,
+        R.LOST_BEFORE_RELEASE,
+    ),
+    Story(
+        "superseded_released_liveness_uncertain",
+        [
+            (H(), NONE),
+            (B(CONTENT), WA),
+            (WriteAheadDone(), [Release(1)]),
+            (Superseded(liveness_uncertain=True), [StartFence()]),
+        ],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "superseded_fencing",
+        [(LivenessLost("heartbeat_lapsed"), [StartFence()]), (Superseded(), NONE)],
+        S.FENCING,
+        False,
+        R.REPLICA_LOST,  # the cause it will fail with, once fenced
+    ),
+    Story(
+        "superseded_passed_through",
+        [(H(404, JSON), [Release(0)]), (Superseded(), NONE)],
+        S.PASSED_THROUGH,
+        False,
+    ),
+    Story(
+        "superseded_failed",
+        [(H(503), _f(R.UPSTREAM_STATUS)), (Superseded(), [SETTLE]), (VerdictReady(RETRY), NONE)],
+        S.FAILED,
+        False,
+        R.UPSTREAM_STATUS,
+    ),
+    Story(
+        "superseded_failed_and_answered",
+        [
+            (H(503), _f(R.UPSTREAM_STATUS)),
+            (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 0)]),
+            (Superseded(), NONE),
+        ],
+        S.FAILED,
+        False,
+        R.UPSTREAM_STATUS,
     ),
 ]
 
 
-@pytest.mark.parametrize(
-    ("steps", "expected", "state"), [s[1:] for s in STORIES], ids=[s[0] for s in STORIES]
-)
-def test_attempt_story(steps: list[tuple[Any, ...]], expected: list[Any], state: AttemptState | None) -> None:
-    attempt, decisions = run(steps)
-    check(decisions, expected)
-    if state is not None:
-        assert attempt.state is state
+@pytest.mark.parametrize("story", STORIES, ids=[s.id for s in STORIES])
+def test_attempt_story(story: Story) -> None:
+    attempt = new_attempt()
+    for index, (event, expected) in enumerate(story.steps):
+        assert attempt.handle(event) == expected, (index, event)
+    assert attempt.state is story.state
+    if story.first_delta is not None:
+        assert attempt.first_delta is story.first_delta
+    assert attempt.failure is story.failure
+    if story.failure is not None:
+        assert attempt.detail  # a human-readable detail is always given
 
 
-def test_json_release_then_lost_is_no_failure() -> None:
-    attempt, decisions = run([H(200, JSON), B(b"{}", True), LOST])
-    assert decisions == [HOLD, RELEASE_DELTA, HOLD]
-    assert attempt.state is AttemptState.RELEASED
+def test_story_ids_are_unique() -> None:
+    assert len({s.id for s in STORIES}) == len(STORIES)
 
 
-@pytest.mark.parametrize(
-    ("steps", "bad"),
-    [
-        ([], B(CONTENT)),  # body before headers
-        ([H()], H()),  # headers twice
-        ([H(), B(CONTENT)], B(DONE)),  # body after release: the filter has left the path
-        ([H(503)], B(ERROR)),  # body after failure
-        ([H(404, JSON)], B(b"{}", True)),  # body after pass-through
-    ],
-    ids=[
-        "body_before_headers",
-        "headers_twice",
-        "body_after_release",
-        "body_after_failure",
-        "body_after_4xx",
-    ],
-)
-def test_event_in_wrong_state_is_a_bug(steps: list[tuple[Any, ...]], bad: tuple[Any, ...]) -> None:
-    attempt, _ = run(steps)
-    with pytest.raises(RuntimeError, match="att-1"):
-        if bad[0] == "headers":
-            attempt.on_response_headers(bad[1], bad[2])
+# Every split of a short stream into two chunks: the first content event is found by the chunk that completes
+# it, never earlier. CR-only framing: an event ending in a lone CR at a chunk's end is complete only once the
+# next byte shows it is not a CRLF.
+STREAM = ROLE + CONTENT + FINISH_STOP + DONE
+FRAMINGS = {"lf": (lambda d: d, 0), "crlf": (crlf, 0), "cr": (cr_only, 1)}
+
+
+@pytest.mark.parametrize("framing", list(FRAMINGS))
+def test_every_split_writes_ahead_at_the_first_content_event(framing: str) -> None:
+    convert, lookahead = FRAMINGS[framing]
+    data = convert(STREAM)
+    boundary = len(convert(ROLE + CONTENT))
+    for split in range(1, len(data)):
+        attempt = new_attempt()
+        attempt.handle(H())
+        first = attempt.handle(B(data[:split]))
+        if split >= boundary + lookahead:
+            assert first == [WriteAhead()], split
         else:
-            attempt.on_response_body(bad[1], bad[2])
+            assert first == [], split
+            assert attempt.handle(B(data[split:], True)) == [WriteAhead()], split
+        assert attempt.first_delta is True
 
 
-def test_media_type_is_case_insensitive() -> None:
-    _, decisions = run([H(200, "Text/Event-Stream"), B(CONTENT)])
-    assert decisions == [HOLD, RELEASE_DELTA]
+@pytest.mark.parametrize("framing", list(FRAMINGS))
+def test_every_split_of_an_empty_generation(framing: str) -> None:
+    convert, _ = FRAMINGS[framing]
+    data = convert(ROLE + FINISH_STOP + DONE)
+    for split in range(1, len(data)):
+        attempt = new_attempt()
+        attempt.handle(H())
+        decisions = attempt.handle(B(data[:split])) + attempt.handle(B(data[split:], True))
+        assert decisions == [WriteAhead()], split
+        assert attempt.first_delta is False
+        assert attempt.handle(WriteAheadDone()) == [Release(2)]
+
+
+def test_overloaded_keeps_retry_after_and_status() -> None:
+    attempt = drive([H(429, JSON, retry_after="7")])
+    assert (attempt.status, attempt.retry_after, attempt.failure) == (429, "7", FailureReason.OVERLOADED)
 
 
 def test_status_is_recorded() -> None:
-    attempt, _ = run([H(503)])
-    assert attempt.status == 503
-    assert attempt.on_stream_lost() == HOLD
+    assert drive([H(503)]).status == 503
+    assert drive([H(404, JSON)]).status == 404
+    assert drive([LivenessLost("heartbeat_lapsed"), H(503)]).status == 503  # headers that came during a fence
+    # Headers that came after the fence ended (the verdict waited for them): the replica's answer is recorded.
+    assert drive([LivenessLost("heartbeat_lapsed"), FenceProven("cancel_ack"), H(503)]).status == 503
 
 
-# --- real vLLM transcripts in random chunkings ----------------------------------------------------------
+def test_lost_before_release_is_no_first_delta() -> None:
+    for last in (StreamReset(), Superseded()):
+        attempt = drive([H(), B(CONTENT)])
+        assert attempt.first_delta is True
+        attempt.handle(last)
+        assert (attempt.first_delta, attempt.failure) == (False, FailureReason.LOST_BEFORE_RELEASE)
+    attempt = drive([H(), B(CONTENT), WriteAheadDone(), Superseded()])
+    assert (attempt.first_delta, attempt.state) == (False, AttemptState.FAILED)
+
+
+def test_fence_is_recorded() -> None:
+    attempt = drive([LivenessLost("heartbeat_lapsed"), FenceProven("cancel_ack", 12.345)])
+    assert attempt.fenced is True
+    assert attempt.fence == {"proof": "cancel_ack", "waited_ms": 12.3}
+    unprovable = drive([LivenessLost("heartbeat_lapsed"), FenceUnprovable()])
+    assert unprovable.fenced is False  # nothing proves it stopped
+    assert unprovable.fence == {"proof": None, "waited_ms": 0.0}
+
+
+def test_closed_connection_fence_sets_fenced_without_an_event() -> None:
+    outbox: list[Event] = []
+    attempt = drive([H(), StreamReset()], outbox)
+    assert attempt.fenced is False  # not before the settlement is confirmed
+    before = list(outbox)
+    assert attempt.handle(FenceProven("connection_closed")) == []
+    assert attempt.fenced is True
+    assert attempt.fence is None  # no fence was needed
+    assert outbox == before
+
+
+def test_verdict_is_recorded() -> None:
+    attempt = drive([H(503), VerdictReady(FAIL_502)])
+    assert attempt.verdict == FAIL_502
+
+
+# --- the journal events each transition emits ----------------------------------------------------------
+
+# (id, path, input, expected events: (name, detail items that must be in it))
+EVENTS: list[tuple[str, list[Input], Input, list[tuple[EventName, dict[str, Any]]]]] = [
+    ("headers_2xx", [], H(), []),
+    ("headers_4xx", [], H(404, JSON), [(EventName.RESPONSE_PASSED_THROUGH, {"status": 404})]),
+    ("headers_5xx", [], H(503), [(EventName.ATTEMPT_FAILED, {"reason": "upstream_status"})]),
+    (
+        "headers_429",
+        [],
+        H(429, retry_after="7"),
+        [(EventName.ATTEMPT_FAILED, {"reason": "replica_overloaded"})],
+    ),
+    ("body_held", [H()], B(ROLE), []),
+    ("first_delta", [H()], B(CONTENT), [(EventName.FIRST_DELTA_SENT, {"attempt_id": "att-1"})]),
+    ("empty_generation", [H()], B(ROLE + FINISH_STOP + DONE), []),
+    ("error_event", [H()], B(ERROR), [(EventName.ATTEMPT_FAILED, {"reason": "error_event"})]),
+    ("write_ahead_done", [H(), B(CONTENT)], WriteAheadDone(), []),
+    (
+        "liveness_lost",
+        [H()],
+        LivenessLost("progress_gap"),
+        [(EventName.REPLICA_LOST, {"replica": "r1", "cause": "progress_gap"})],
+    ),
+    (
+        "reset_uncertain",
+        [H()],
+        StreamReset(liveness_uncertain=True),
+        [(EventName.REPLICA_LOST, {"replica": "r1", "cause": "connection_closed_uncertain"})],
+    ),
+    (
+        "fence_proven",
+        [LivenessLost("heartbeat_lapsed")],
+        FenceProven("cancel_ack", 4.0),
+        [
+            (EventName.ATTEMPT_FENCED, {"attempt_id": "att-1", "proof": "cancel_ack", "waited_ms": 4.0}),
+            (EventName.ATTEMPT_FAILED, {"reason": "replica_lost"}),
+        ],
+    ),
+    (
+        "fence_unprovable",
+        [LivenessLost("lease_lost")],
+        FenceUnprovable(),
+        [
+            (EventName.ATTEMPT_FENCED, {"attempt_id": "att-1", "proof": None}),
+            (EventName.ATTEMPT_FAILED, {"reason": "lease_lost"}),
+        ],
+    ),
+    ("reset_live", [H()], StreamReset(), [(EventName.ATTEMPT_FAILED, {"reason": "connection_lost"})]),
+    (
+        "reset_writing_ahead",
+        [H(), B(CONTENT)],
+        StreamReset(),
+        [(EventName.ATTEMPT_FAILED, {"reason": "lost_before_release"})],
+    ),
+    (
+        "superseded_released",
+        [H(), B(CONTENT), WriteAheadDone()],
+        Superseded(),
+        [(EventName.ATTEMPT_FAILED, {"reason": "lost_before_release"})],
+    ),
+    ("reset_released", [H(), B(CONTENT), WriteAheadDone()], StreamReset(), []),
+    ("closed_connection_settled", [StreamReset()], FenceProven("connection_closed"), []),
+    ("verdict", [H(503)], VerdictReady(RETRY), []),
+    ("late_headers_answered", [StreamReset()], H(), []),
+]
+
+
+@pytest.mark.parametrize(("path", "event", "expected"), [e[1:] for e in EVENTS], ids=[e[0] for e in EVENTS])
+def test_journal_events_of_each_transition(
+    path: list[Input], event: Input, expected: list[tuple[EventName, dict[str, Any]]]
+) -> None:
+    outbox: list[Event] = []
+    attempt = drive(path, outbox)
+    outbox.clear()
+    attempt.handle(event)
+    assert [e.name for e in outbox] == [name for name, _ in expected]
+    for got, (name, items) in zip(outbox, expected, strict=True):
+        assert got.attempt == 1
+        assert items.items() <= got.detail.items(), (name, got.detail)
+        if name is EventName.ATTEMPT_FAILED:
+            assert got.detail["detail"]  # free text, never empty
+
+
+def test_no_event_is_emitted_by_an_illegal_input() -> None:
+    outbox: list[Event] = []
+    attempt = drive([H(), B(CONTENT), WriteAheadDone()], outbox)
+    before = list(outbox)
+    with pytest.raises(IllegalInput):
+        attempt.handle(H())
+    assert outbox == before
+
+
+# --- 3. real vLLM transcripts in random chunkings -----------------------------------------------------------
+
+
+def _is_content(payload: Any) -> bool:
+    """An independent reading of "first delta" (json, not the product's scanner)."""
+    if not isinstance(payload, dict):
+        return False
+    for choice in payload.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("tool_calls"):
+            return True
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "refusal")):
+            return True
+    return False
+
+
+def event_ends(data: bytes) -> list[tuple[int, Any]]:
+    """(offset just past each event, its JSON payload or the raw payload) of an LF-framed transcript."""
+    out: list[tuple[int, Any]] = []
+    offset = 0
+    for block in data.split(b"\n\n")[:-1]:
+        offset += len(block) + 2
+        payload = block.removeprefix(b"data: ")
+        out.append((offset, payload if payload == b"[DONE]" else json.loads(payload)))
+    return out
 
 
 def first_content_end(data: bytes) -> int:
-    """Offset just past the first content event of a transcript (independently of the attempt machine)."""
-    offset = 0
-    for event in SseScanner().feed(data):
-        offset += len(event.raw)
-        if event.kind is EventKind.CONTENT:
-            return offset
-    raise AssertionError("transcript has no content event")
+    return next(end for end, payload in event_ends(data) if _is_content(payload))
 
 
 def random_chunks(data: bytes, rng: random.Random) -> list[bytes]:
@@ -342,7 +1212,14 @@ def random_chunks(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-RELEASING = ["chat_stream_usage.sse", "chat_stream_tool_required.sse", "completions_stream.sse"]
+RELEASING = [
+    "chat_stream_usage.sse",
+    "chat_stream_continuous_usage.sse",
+    "chat_stream_tool_required.sse",
+    "chat_stream_killed_midstream.sse",
+    "completions_stream.sse",
+    "completions_stream_usage.sse",
+]
 SEEDS = range(12)
 
 
@@ -351,6 +1228,7 @@ def test_first_content_offsets_are_what_the_transcripts_show() -> None:
     for name, index in [
         ("chat_stream_usage.sse", 2),
         ("chat_stream_tool_required.sse", 2),
+        ("chat_stream_killed_midstream.sse", 2),
         ("completions_stream.sse", 1),
     ]:
         data = (REFERENCE / name).read_bytes()
@@ -358,62 +1236,44 @@ def test_first_content_offsets_are_what_the_transcripts_show() -> None:
         assert first_content_end(data) == ends[index - 1], name
 
 
+def feed_transcript(
+    data: bytes, chunks: list[bytes], eos_last: bool
+) -> tuple[Attempt, int, int, list[Event]]:
+    """Feed until the first decision; returns the attempt, bytes fed, chunks fed and its events."""
+    outbox: list[Event] = []
+    attempt = new_attempt(outbox)
+    assert attempt.handle(H()) == []
+    fed = 0
+    for i, c in enumerate(chunks):
+        decisions = attempt.handle(B(c, eos_last and i == len(chunks) - 1))
+        fed += len(c)
+        if decisions:
+            return attempt, fed, i + 1, outbox
+    raise AssertionError("no decision")
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", RELEASING)
 def test_transcript_releases_once_at_first_content(name: str, seed: int) -> None:
     data = (REFERENCE / name).read_bytes()
     boundary = first_content_end(data)
-    chunks = random_chunks(data, random.Random(f"{name}:{seed}"))
-    attempt = new_attempt()
-    assert attempt.on_response_headers(200, SSE) == HOLD
-    fed = 0
-    for i, c in enumerate(chunks):
-        decision = attempt.on_response_body(c, i == len(chunks) - 1)
-        fed += len(c)
-        if fed < boundary:
-            assert decision == HOLD, (seed, i, fed)
-        else:
-            # The chunk that completes the first content event, and no earlier one, releases.
-            assert decision == RELEASE_DELTA, (seed, i, fed)
-            break
-    else:
-        raise AssertionError("never released")
-    assert attempt.state is AttemptState.RELEASED
-    assert fed - len(c) < boundary <= fed
-    assert attempt.on_stream_lost() == HOLD  # a later reset is no failure of this machine
+    chunks = [data] if seed == 0 else random_chunks(data, random.Random(f"{name}:{seed}"))
+    attempt, fed, count, outbox = feed_transcript(data, chunks, eos_last=True)
+    # The chunk that completes the first content event, and no earlier one, writes ahead.
+    assert fed - len(chunks[count - 1]) < boundary <= fed, (seed, count, fed)
+    assert attempt.state is AttemptState.WRITING_AHEAD and attempt.first_delta is True
+    assert [e.name for e in outbox] == [EventName.FIRST_DELTA_SENT]
+    assert attempt.handle(WriteAheadDone()) == [Release(count)]  # every chunk fed so far is released
+    assert attempt.handle(StreamReset()) == []  # a later reset is no failure of this attempt
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_engine_dead_transcript_fails_with_error_event(seed: int) -> None:
     data = (REFERENCE / "engine_dead_midstream_error.sse").read_bytes()
     chunks = [data] if seed == 0 else random_chunks(data, random.Random(seed))
-    attempt = new_attempt()
-    assert attempt.on_response_headers(200, SSE) == HOLD
-    error_end = data.index(b"\n\n") + 2
-    fed = 0
-    for i, c in enumerate(chunks):
-        decision = attempt.on_response_body(c, i == len(chunks) - 1)
-        fed += len(c)
-        if fed < error_end:
-            assert decision == HOLD
-            continue
-        assert isinstance(decision, AttemptFailed)
-        assert decision.reason is FailureReason.ERROR_EVENT
-        break
-    assert attempt.state is AttemptState.FAILED
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_killed_midstream_transcript_releases_at_first_content(seed: int) -> None:
-    data = (REFERENCE / "chat_stream_killed_midstream.sse").read_bytes()
-    boundary = first_content_end(data)
-    attempt = new_attempt()
-    attempt.on_response_headers(200, SSE)
-    fed = 0
-    for c in random_chunks(data, random.Random(seed)):
-        fed += len(c)
-        decision = attempt.on_response_body(c, False)
-        if decision != HOLD:
-            break
-    assert decision == RELEASE_DELTA
-    assert fed - len(c) < boundary <= fed
+    error_end = event_ends(data)[0][0]
+    attempt, fed, count, outbox = feed_transcript(data, chunks, eos_last=True)
+    assert fed - len(chunks[count - 1]) < error_end <= fed
+    assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.ERROR_EVENT)
+    assert [e.name for e in outbox] == [EventName.ATTEMPT_FAILED]
+    assert attempt.handle(VerdictReady(RETRY)) == [SETTLE, Answer(RETRY, count)]

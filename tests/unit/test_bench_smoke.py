@@ -20,6 +20,7 @@ def _rendered() -> str:
         replicas=(Endpoint("127.0.0.1", 19001),),
         sidecar_socket=Path("/tmp/x.sock"),
         access_log_path=Path("/tmp/access.log"),
+        admin_socket=Path("/tmp/admin.sock"),
         policy=load_policy(None),
     )
     return render(spec)
@@ -34,7 +35,9 @@ def test_plain_config_drops_only_the_sidecar_parts() -> None:
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     options = clusters["llm"]["typed_extension_protocol_options"]
     assert all("http_filters" not in o for o in options.values())
-    assert clusters["llm"]["circuit_breakers"]["thresholds"][0]["max_retries"] == 64
+    assert clusters["llm"]["circuit_breakers"]["thresholds"][0]["retry_budget"]["budget_percent"] == {
+        "value": 50.0
+    }
 
 
 def test_upstream_events_are_what_the_sidecar_counts() -> None:

@@ -1,4 +1,5 @@
-"""The request journal over the `Store` interface (MemoryStore: no etcd).
+"""The request journal over the `Store` interface (MemoryStore: no etcd), with requests built through the
+machines (the attempt machine, the retry gate and the logical-request machine).
 
 Async code runs under `asyncio.run` inside each test: the project has no pytest async plugin.
 """
@@ -15,16 +16,33 @@ import pytest
 
 from router_sidecar.coordination.journal import ClaimConflict, Journal
 from router_sidecar.coordination.store import Lease, MemoryStore, keys
-from router_sidecar.core.attempt import AttemptFailed, FailureReason
+from router_sidecar.core.attempt import (
+    Failed,
+    FenceProven,
+    ResponseBody,
+    ResponseHeaders,
+    StreamReset,
+    VerdictReady,
+    WriteAhead,
+)
+from router_sidecar.core.events import EventName
 from router_sidecar.core.openai_api import RouteKind, parse_request
-from router_sidecar.core.policy import DEFAULT_POLICY
-from router_sidecar.core.request import DownstreamLoss, LogicalRequest
+from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
+from router_sidecar.core.request import (
+    DeadlineReached,
+    DownstreamLoss,
+    DownstreamLost,
+    LogicalRequest,
+    ResponseChunk,
+    ResponseStarted,
+    Terminate,
+    ToolCallNoted,
+)
 from router_sidecar.core.sse import DONE_EVENT
+from tests.unit.test_request import SSE, begin, failed, released, started
 
-SSE = "text/event-stream"
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
-LOST = AttemptFailed(FailureReason.CONNECTION_LOST, "lost")
 
 
 class SlowStore(MemoryStore):
@@ -45,14 +63,16 @@ class SlowStore(MemoryStore):
         await super().put(key, value, lease)
 
 
-def request(request_id: str = "idem-1", tenant: str = "tenant-a", model: str = "tiny") -> LogicalRequest:
+def request(
+    request_id: str = "idem-1", tenant: str = "tenant-a", model: str = "tiny", policy: Policy = DEFAULT_POLICY
+) -> LogicalRequest:
     body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
     parsed = parse_request(RouteKind.CHAT, body.encode(), max_body_bytes=1 << 20, known_models=None)
-    return LogicalRequest(request_id=request_id, tenant=tenant, parsed=parsed, policy=DEFAULT_POLICY)
+    return LogicalRequest(request_id=request_id, tenant=tenant, parsed=parsed, policy=policy)
 
 
-def journal(store: MemoryStore, gateway: str = "gw-1") -> Journal:
-    return Journal(store, retention_seconds=3600, gateway_id=gateway)
+def journal(store: MemoryStore, gateway: str = "gw-1", max_events: int = 256) -> Journal:
+    return Journal(store, retention_seconds=3600, gateway_id=gateway, max_events=max_events)
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -73,73 +93,86 @@ def event_names(record: dict[str, Any]) -> list[str]:
     return [e["event"] for e in record["events"]]
 
 
-# --- the terminal states a first run can end in ----------------------------------------------------------
+def chunk(r: LogicalRequest, data: bytes, eos: bool) -> None:
+    r.handle(ResponseChunk(data, eos))
+
+
+# --- the states a first run can be in or end in ----------------------------------------------------------
 
 
 def _failed_before_content(r: LogicalRequest) -> None:
     for n in (1, 2):
-        r.on_attempt_failed(r.begin_attempt(f"a{n}", "r"), LOST)
+        failed(r, attempt_id=f"a{n}")
 
 
 def _completed(r: LogicalRequest) -> None:
-    r.on_attempt_released(r.begin_attempt("a1", "r"), first_delta=True)
-    r.on_response_headers(200, SSE)
-    r.on_response_body(CONTENT + FINISH + DONE_EVENT, True)
+    released(r, "a1", "r")
+    started(r)
+    chunk(r, CONTENT + FINISH + DONE_EVENT, True)
 
 
 def _interrupted(r: LogicalRequest) -> None:
-    r.on_attempt_released(r.begin_attempt("a1", "r"), first_delta=True)
-    r.on_response_headers(200, SSE)
-    r.on_response_body(CONTENT, False)
-    r.on_response_body(b"", True)
+    released(r, "a1", "r")
+    started(r)
+    chunk(r, CONTENT, False)
+    assert isinstance(r.handle(ResponseChunk(b"", True)), Terminate)
 
 
 def _in_decode(r: LogicalRequest) -> None:
-    r.on_attempt_released(r.begin_attempt("a1", "r"), first_delta=True)
-    r.on_response_headers(200, SSE)
-    r.on_response_body(CONTENT, False)
+    released(r, "a1", "r")
+    started(r)
+    chunk(r, CONTENT, False)
+
+
+def _writing_ahead(r: LogicalRequest) -> None:
+    attempt = begin(r, "a1", "r")
+    attempt.handle(ResponseHeaders(200, SSE))
+    assert attempt.handle(ResponseBody(CONTENT, False)) == [WriteAhead()]
 
 
 def _in_prefill(r: LogicalRequest) -> None:
-    r.begin_attempt("a1", "r")
+    begin(r, "a1", "r")
 
 
 def _cancelled_in_prefill(r: LogicalRequest) -> None:
-    r.begin_attempt("a1", "r")
-    r.on_downstream_lost(DownstreamLoss.CLIENT_GONE)
+    begin(r, "a1", "r")
+    r.handle(DownstreamLost(DownstreamLoss.CLIENT_GONE))
 
 
 def _cancelled_in_decode(r: LogicalRequest) -> None:
     _in_decode(r)
-    r.on_downstream_lost(DownstreamLoss.CLIENT_GONE)
+    r.handle(DownstreamLost(DownstreamLoss.CLIENT_GONE))
+
+
+def _replaced(r: LogicalRequest) -> None:
+    # Our retry 503 came back: Envoy's retry budget refused the retry; the client got our JSON error.
+    failed(r, attempt_id="a1")
+    r.handle(ResponseStarted(503, "text/plain", frozenset({"UO"}), "via_upstream"))
+
+
+def _deadline_before_content(r: LogicalRequest) -> None:
+    begin(r, "a1", "r")
+    r.handle(DeadlineReached())
 
 
 # (first run's story, phase it ends in, may the id be claimed again, in_flight of the conflict)
-CLAIMS = [
-    (None, "prefill", False, True),  # just claimed, nothing else happened
-    (_in_prefill, "prefill", False, True),
-    (_in_decode, "decode", False, True),
-    (_failed_before_content, "failed", True, None),
-    (_completed, "completed", False, False),
-    (_interrupted, "interrupted", False, False),
-    (_cancelled_in_prefill, "cancelled", False, False),
-    (_cancelled_in_decode, "cancelled", False, False),
+CLAIMS: list[tuple[str, Callable[[LogicalRequest], None] | None, str, bool, bool | None]] = [
+    ("claimed", None, "prefill", False, True),  # just claimed, nothing else happened
+    ("prefill", _in_prefill, "prefill", False, True),
+    ("writing_ahead", _writing_ahead, "prefill", False, True),
+    ("decode", _in_decode, "decode", False, True),
+    ("failed", _failed_before_content, "failed", True, None),
+    ("replaced", _replaced, "failed", True, None),
+    ("deadline_before_content", _deadline_before_content, "failed", True, None),
+    ("completed", _completed, "completed", False, False),
+    ("interrupted", _interrupted, "interrupted", False, False),
+    ("cancelled_prefill", _cancelled_in_prefill, "cancelled", False, False),
+    ("cancelled_decode", _cancelled_in_decode, "cancelled", False, False),
 ]
 
 
 @pytest.mark.parametrize(
-    ("story", "phase", "reclaimable", "in_flight"),
-    CLAIMS,
-    ids=[
-        "claimed",
-        "prefill",
-        "decode",
-        "failed",
-        "completed",
-        "interrupted",
-        "cancelled_prefill",
-        "cancelled_decode",
-    ],
+    ("story", "phase", "reclaimable", "in_flight"), [c[1:] for c in CLAIMS], ids=[c[0] for c in CLAIMS]
 )
 def test_second_claim_of_same_tenant_and_id(
     story: Callable[[LogicalRequest], None] | None, phase: str, reclaimable: bool, in_flight: bool | None
@@ -255,9 +288,10 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
         j = journal(store)
         r = request()
         await j.claim(r)
-        record = r.begin_attempt("a1", "r1")
+        attempt = begin(r, "a1", "r1")
         j.update(r)  # a background flush in flight must not delay or reorder the write-ahead
-        r.on_attempt_released(record, first_delta=True)
+        attempt.handle(ResponseHeaders(200, SSE))
+        assert attempt.handle(ResponseBody(CONTENT, False)) == [WriteAhead()]
         await j.write_ahead(r)
         now = stored(store, "tenant-a", "idem-1")
         assert now["first_delta_sent"] is True
@@ -266,8 +300,9 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
                 "attempt": 1,
                 "attempt_id": "a1",
                 "replica": "r1",
-                "outcome": "released",
+                "outcome": "writing_ahead",
                 "detail": None,
+                "status": 200,
                 "lease": None,
                 "fence": None,
             }
@@ -290,13 +325,17 @@ def test_update_coalesces_to_latest_state() -> None:
         await j.claim(r)
         assert store.puts == []  # the claim is a create, not a put
         # Many updates without yielding: one write, of the latest state.
-        first = r.begin_attempt("a1", "r1")
+        first = begin(r, "a1", "r1")
         j.update(r)
-        r.on_attempt_failed(first, LOST)
+        first.handle(ResponseHeaders(200, SSE))
+        failure = first.handle(StreamReset())[0]
+        assert isinstance(failure, Failed)
+        verdict = r.gate.verdict(first, failure, no_compatible_replica=None)
         j.update(r)
-        second = r.begin_attempt("a2", "r2")
+        first.handle(VerdictReady(verdict))
+        first.handle(FenceProven("connection_closed"))
+        released(r, "a2", "r2")
         j.update(r)
-        r.on_attempt_released(second, first_delta=True)
         j.update(r)
         assert store.puts == []  # nothing written synchronously
         await settle()
@@ -314,11 +353,11 @@ def test_update_coalesces_to_latest_state() -> None:
         ]
         assert event_names(record) == expected
         # Updates while a write is in progress: one more write afterwards, still every event exactly once.
-        r.on_response_headers(200, SSE)
-        r.on_response_body(CONTENT, False)
+        started(r)
+        chunk(r, CONTENT, False)
         j.update(r)
         await asyncio.sleep(0)  # the flush has started and is suspended inside put
-        r.on_response_body(FINISH + DONE_EVENT, True)
+        chunk(r, FINISH + DONE_EVENT, True)
         j.update(r)
         j.update(r)
         await settle()
@@ -333,6 +372,7 @@ def test_update_coalesces_to_latest_state() -> None:
         times = [e["t"] for e in record["events"]]
         assert times == sorted(times)
         assert [e.get("attempt") for e in record["events"]] == [None, 1, 1, 1, 2, 2, None]
+        assert [(a["attempt"], a["outcome"]) for a in record["attempts"]] == [(1, "failed"), (2, "completed")]
 
     run(go)
 
@@ -343,13 +383,103 @@ def test_view_of_a_live_request() -> None:
         j = journal(store, "gw-7")
         r = request()
         await j.claim(r)
-        r.begin_attempt("a1", "r1")
+        begin(r, "a1", "r1")
         view = j.view(r)
         assert (view["gateway"], view["request_id"], view["attempt"]) == ("gw-7", "idem-1", 1)
         assert event_names(view) == ["request_accepted", "attempt_started"]
         # The view drained the events into the journal's trace: the next write carries them once.
         await j.write_ahead(r)
         assert event_names(stored(store, "tenant-a", "idem-1")) == ["request_accepted", "attempt_started"]
+
+    run(go)
+
+
+# --- the record stays bounded whatever the request did --------------------------------------------------
+
+
+def _tool_event(n: int, key: str = "k") -> ToolCallNoted:
+    return ToolCallNoted(EventName.TOOL_CALL_REPLAYED, key, 1, {"n": n})
+
+
+def test_trace_keeps_the_first_and_last_events_and_counts_the_dropped() -> None:
+    policy = policy_from_mapping({"journal": {"max_events": 32}})
+    max_events = policy.journal.max_events
+
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store, max_events=max_events)
+        r = request(policy=policy)
+        await j.claim(r)  # request_accepted
+        for batch in range(4):  # drained in several batches, as the shell does
+            for n in range(batch * 25, batch * 25 + 25):
+                r.handle(_tool_event(n))
+            j.view(r)
+        await j.write_ahead(r)
+        events = stored(store, "tenant-a", "idem-1")["events"]
+        emitted = 1 + 100
+        assert len(events) == max_events + 1  # the kept ones and the marker
+        head, marker, tail = events[:16], events[16], events[17:]
+        assert head[0]["event"] == "request_accepted"
+        assert [e["n"] for e in head[1:]] == list(range(15))
+        assert marker == {"event": "events_dropped", "count": emitted - max_events}
+        assert [e["n"] for e in tail] == list(range(100 - 16, 100))  # the last ones, in order
+
+    run(go)
+
+
+def test_trace_within_the_bound_is_whole() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store, max_events=32)
+        r = request()
+        await j.claim(r)
+        for n in range(31):
+            r.handle(_tool_event(n))
+        await j.write_ahead(r)
+        events = stored(store, "tenant-a", "idem-1")["events"]
+        assert len(events) == 32
+        assert "events_dropped" not in event_names({"events": events})
+
+    run(go)
+
+
+def test_thousands_of_tool_calls_still_encode_far_below_one_mib() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store, max_events=DEFAULT_POLICY.journal.max_events)
+        r = request()
+        await j.claim(r)
+        failed(r, attempt_id="a1")
+        released(r, "a2", "r2")
+        started(r)
+        detail = {"tool": "web_search", "status": 200, "duration_ms": 12.5, "attempt_id": "a2"}
+        for n in range(5000):
+            key = f"{n:06d}:" + "k" * 193  # the longest key the gateway accepts (200 characters)
+            for name in (
+                EventName.TOOL_CALL_CLAIMED,
+                EventName.TOOL_CALL_EXECUTED,
+                EventName.TOOL_CALL_REPLAYED,
+            ):
+                r.handle(ToolCallNoted(name, key, 2, detail))
+            if n % 500 == 0:
+                j.update(r)
+        for _ in range(100):  # one key called again and again
+            r.handle(ToolCallNoted(EventName.TOOL_CALL_REPLAYED, "000000:" + "k" * 193, 2, detail))
+        for _ in range(2000):
+            chunk(r, CONTENT, False)
+        chunk(r, FINISH + DONE_EVENT, True)
+        await j.write_ahead(r)
+        await settle()
+        raw = store.data[keys.request("tenant-a", "idem-1")]
+        assert len(raw) < 256 * 1024, len(raw)
+        record = json.loads(raw)
+        assert len(record["tool_calls"]) == DEFAULT_POLICY.tools.max_calls_per_request
+        # Every noted call of a key beyond the cap is counted (three per key here), none is listed.
+        assert record["tool_calls_not_listed"] == 3 * (5000 - DEFAULT_POLICY.tools.max_calls_per_request)
+        assert all(len(t["events"]) <= 16 for t in record["tool_calls"])
+        assert len(record["events"]) == DEFAULT_POLICY.journal.max_events + 1
+        assert record["events"][-1]["event"] == "stream_completed"
+        assert (record["phase"], record["delivered_output_tokens"]) == ("completed", 2000)
 
     run(go)
 

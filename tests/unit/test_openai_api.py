@@ -12,7 +12,6 @@ from router_sidecar.core.openai_api import (
     RequestRejected,
     RouteKind,
     parse_request,
-    route_kind,
 )
 
 MODELS = frozenset({"tiny", "llama"})
@@ -33,23 +32,6 @@ def rejected(obj: Any, kind: RouteKind = RouteKind.CHAT, **kw: Any) -> RequestRe
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
-
-
-@pytest.mark.parametrize(
-    ("path", "kind"),
-    [
-        ("/v1/chat/completions", RouteKind.CHAT),
-        ("/v1/chat/completions?x=1", RouteKind.CHAT),
-        ("/v1/completions", RouteKind.COMPLETIONS),
-        ("/v1/completions?stream=true&a=b", RouteKind.COMPLETIONS),
-        ("/v1/models", None),
-        ("/v1/embeddings", None),
-        ("/chat/completions", None),
-        ("/v1/chat/completions/extra", None),
-    ],
-)
-def test_route_kind(path: str, kind: RouteKind | None) -> None:
-    assert route_kind(path) is kind
 
 
 def test_chat_minimal() -> None:

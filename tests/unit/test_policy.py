@@ -85,7 +85,7 @@ def test_defaults() -> None:
     assert p.after_first_delta.automatic_retry is False
     assert p.after_first_delta.client_error == "upstream_decode_interrupted"
     assert p.uncertain_source_liveness.then == "retry_only_if_no_delta_was_sent"
-    assert p.budgets == Budgets(20, 3, 64)
+    assert p.budgets == Budgets(50, 3)
     assert p.reprefill_cost_cap.max_prompt_tokens == 32768
     assert p.deadlines == Deadlines(300, 1)
     assert p.leases.attempt_ttl_seconds == 10
@@ -165,7 +165,6 @@ on_upstream_failure:
 budgets:
   retry_budget_percent: 12.5
   min_retry_concurrency: 0
-  max_concurrent_retries: 8
 reprefill_cost_cap:
   max_prompt_tokens: 1000
 deadlines:
@@ -183,7 +182,7 @@ journal:
     assert p.before_first_delta.require == {"source_attempt_fenced"}
     assert p.before_first_delta.max_attempts == 3
     assert p.uncertain_source_liveness.wait_for == "lease_expiry"
-    assert p.budgets == Budgets(12.5, 0, 8)
+    assert p.budgets == Budgets(12.5, 0)
     assert p.reprefill_cost_cap.max_prompt_tokens == 1000
     assert p.deadlines == Deadlines(60, 0.25)
     assert p.leases.attempt_ttl_seconds == 5
@@ -206,8 +205,8 @@ def test_fail_request_policy_and_its_defaults() -> None:
 
 
 def test_partial_sections_keep_other_defaults() -> None:
-    p = policy_from_mapping({"budgets": {"retry_budget_percent": 50}})
-    assert p.budgets == Budgets(50, 3, 64)
+    p = policy_from_mapping({"budgets": {"retry_budget_percent": 20}})
+    assert p.budgets == Budgets(20, 3)
     assert dataclasses.replace(p, budgets=DEFAULT_POLICY.budgets) == DEFAULT_POLICY
 
 
@@ -263,7 +262,6 @@ def test_unknown_key_reports_dotted_path(m: dict[str, Any], path: str) -> None:
         ("budgets.retry_budget_percent", True),
         ("budgets.retry_budget_percent", float("nan")),
         ("budgets.min_retry_concurrency", 1.5),
-        ("budgets.max_concurrent_retries", None),
         ("reprefill_cost_cap.max_prompt_tokens", "32k"),
         ("deadlines.request_seconds", "300s"),
         ("deadlines.connect_seconds", None),
@@ -306,7 +304,6 @@ def test_automatic_retry_true_is_refused_with_the_reason() -> None:
         ("budgets.retry_budget_percent", 101),
         ("budgets.retry_budget_percent", -1),
         ("budgets.min_retry_concurrency", -1),
-        ("budgets.max_concurrent_retries", 0),
         ("reprefill_cost_cap.max_prompt_tokens", 0),
         ("deadlines.request_seconds", 0),
         ("deadlines.connect_seconds", 0),

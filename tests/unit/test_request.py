@@ -1,34 +1,71 @@
-"""The logical-request machine (downstream filter): retry decisions before the first delta, and what the
-client receives after it: every byte of one attempt once, then `[DONE]` or exactly one terminal error frame.
+"""The logical-request machine (downstream filter): what the client receives.
+
+Either every byte of the one released attempt once, ending in `[DONE]` or in exactly one terminal error frame;
+or, when no attempt was released, one JSON error naming the request and why (`ReplaceResponse`, `FailNow`).
+Attempts are driven through their own machine and the request's `RetryGate`, as the upstream shell does.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router_sidecar.core.attempt import AttemptFailed, FailureReason
-from router_sidecar.core.events import EventName
+from router_sidecar.core import views
+from router_sidecar.core.attempt import (
+    Admit,
+    Attempt,
+    AttemptState,
+    AwaitFence,
+    Failed,
+    FailRequest,
+    FailureReason,
+    FenceProven,
+    Input,
+    LivenessLost,
+    Refuse,
+    Release,
+    ResponseBody,
+    ResponseHeaders,
+    SettleLease,
+    StreamReset,
+    Supersede,
+    Superseded,
+    TriggerRetry,
+    VerdictReady,
+    WriteAhead,
+    WriteAheadDone,
+)
+from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest, RouteKind, parse_request
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
 from router_sidecar.core.request import (
+    DeadlineReached,
+    Decision,
     DownstreamLoss,
-    FailRequest,
+    DownstreamLost,
+    FailNow,
     Forward,
     LogicalRequest,
-    Outcome,
+    NoAction,
+    PassResponse,
     Phase,
+    PublisherLost,
+    ReplaceResponse,
+    ResponseChunk,
+    ResponseStarted,
     Terminate,
-    TriggerRetry,
+    ToolCallNoted,
 )
 from router_sidecar.core.sse import DONE_EVENT, terminal_error_frame
 
 REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu")
 SSE = "text/event-stream; charset=utf-8"
+JSON = "application/json"
 RID = "req-0001"
 LONG_PROMPT = "tell me a long story " * 20  # 420 bytes: ~105 estimated tokens
 
@@ -56,19 +93,27 @@ def chunk(
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def cr_only(data: bytes) -> bytes:
+    return data.replace(b"\n", b"\r")
+
+
 ROLE = chunk({"role": "assistant", "content": ""})
 C1, C2, C3 = chunk({"content": "Hel"}), chunk({"content": "lo"}), chunk({"content": " world"})
 FINISH = chunk({}, finish="stop")
 ABORT = chunk({}, finish="abort")
 ABORT_WITH_CONTENT = chunk({"content": "!"}, finish="abort")
+USAGE_2 = chunk(None, usage=2)
 ERROR = b'data: {"error": {"message": "boom", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
 KEEPALIVE = b": keep-alive\n\n"
 ENGINE_DEAD = (REFERENCE / "engine_dead_midstream_error.sse").read_bytes()
 KILLED = (REFERENCE / "chat_stream_killed_midstream.sse").read_bytes()
 
 
+# --- an independent reading of what a client got (json, not the product's scanner) ---------------------
+
+
 def client_events(data: bytes) -> list[Any]:
-    """An independent reading of what a client got: JSON payloads of `data:` events (or "[DONE]")."""
+    """JSON payloads of `data:` events (or "[DONE]"), LF framing."""
     out: list[Any] = []
     for block in data.split(b"\n\n"):
         lines = [ln[6:] for ln in block.split(b"\n") if ln.startswith(b"data: ")]
@@ -109,27 +154,71 @@ def random_chunks(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-def released(request: LogicalRequest, attempt_id: str = "att-1", replica: str = "r1") -> None:
-    """An attempt that released its first delta (the upstream filter's side of the story)."""
-    record = request.begin_attempt(attempt_id, replica)
-    request.on_attempt_released(record, first_delta=True)
+# --- the upstream side of the story, through the attempt machine and the gate ---------------------------
 
 
-def feed(request: LogicalRequest, chunks: list[bytes], *, eos_last: bool = True) -> list[Any]:
-    return [request.on_response_body(c, eos_last and i == len(chunks) - 1) for i, c in enumerate(chunks)]
+def begin(request: LogicalRequest, attempt_id: str = "att-1", replica: str = "r1") -> Attempt:
+    assert request.gate.admit() == Admit()
+    return request.gate.begin(attempt_id, replica)
 
 
-# --- before the first delta: retry or fail --------------------------------------------------------------
+def released(
+    request: LogicalRequest,
+    attempt_id: str = "att-1",
+    replica: str = "r1",
+    *,
+    content: bool = True,
+    stream: bool = True,
+) -> Attempt:
+    """An attempt that wrote ahead and released (at its first delta, or a generation without content)."""
+    attempt = begin(request, attempt_id, replica)
+    if stream:
+        assert attempt.handle(ResponseHeaders(200, SSE)) == []
+        body, eos = (ROLE + C1, False) if content else (ROLE + FINISH + DONE_EVENT, True)
+    else:
+        assert attempt.handle(ResponseHeaders(200, JSON)) == []
+        body, eos = b"{}", True
+    assert attempt.handle(ResponseBody(body, eos)) == [WriteAhead()]
+    assert attempt.handle(WriteAheadDone()) == [Release(1)]
+    assert request.publisher is attempt
+    return attempt
+
+
+def failed(request: LogicalRequest, *inputs: Input, attempt_id: str = "att-1") -> TriggerRetry | FailRequest:
+    """An attempt that fails; its verdict is answered and its closed connection settles its lease."""
+    attempt = begin(request, attempt_id)
+    decisions = [d for event in inputs or (StreamReset(),) for d in attempt.handle(event)]
+    failure = next(d for d in decisions if isinstance(d, Failed))
+    verdict = request.gate.verdict(attempt, failure, no_compatible_replica=None)
+    attempt.handle(VerdictReady(verdict))
+    attempt.handle(FenceProven("connection_closed"))
+    return verdict
+
+
+def started(request: LogicalRequest, status: int = 200, ctype: str = SSE) -> None:
+    assert request.handle(ResponseStarted(status, ctype)) == PassResponse()
+
+
+def feed(request: LogicalRequest, chunks: list[bytes], *, eos_last: bool = True) -> list[Decision]:
+    return [request.handle(ResponseChunk(c, eos_last and i == len(chunks) - 1)) for i, c in enumerate(chunks)]
+
+
+def names(request: LogicalRequest) -> list[str]:
+    return [e.name.value for e in request.drain_events()]
+
+
+# --- before the first delta: retry or fail ------------------------------------------------------------
 
 TINY_CAP = policy_from_mapping({"reprefill_cost_cap": {"max_prompt_tokens": 8}})
 THREE = policy_from_mapping({"on_upstream_failure": {"before_first_delta": {"max_attempts": 3}}})
 NO_RETRY = policy_from_mapping({"on_upstream_failure": {"before_first_delta": {"action": "fail_request"}}})
 
-FAILURES = [
-    AttemptFailed(FailureReason.CONNECTION_LOST, "lost"),
-    AttemptFailed(FailureReason.ERROR_EVENT, "error event"),
-    AttemptFailed(FailureReason.UPSTREAM_STATUS, "replica answered 503"),
+FAILURES: list[tuple[Input, ...]] = [
+    (StreamReset(),),
+    (ResponseHeaders(200, SSE), ResponseBody(ERROR, False)),
+    (ResponseHeaders(503, JSON),),
 ]
+FAILURE_REASONS = ["connection_lost", "error_event", "upstream_status"]
 
 
 @pytest.mark.parametrize(
@@ -155,63 +244,51 @@ def test_failures_before_first_delta(
     policy: Policy, prompt: str, max_attempts: int, retry_allowed: bool, code: str
 ) -> None:
     request = new_request(policy, prompt)
-    assert request.max_attempts == max_attempts
-    assert request.retry_allowed is retry_allowed
-    assert request.journal_view()["retry_budget"] == max_attempts
+    assert request.gate.max_attempts == max_attempts
+    assert (request.gate.retry_blocked is None) is retry_allowed
+    assert request.drain_events()[0].detail["retry_allowed"] is retry_allowed
+    assert views.journal_view(request)["retry_budget"] == max_attempts
+    verdict: TriggerRetry | FailRequest | None = None
     for n in range(1, max_attempts + 1):
-        record = request.begin_attempt(f"att-{n}", f"10.0.0.{n}:8000")
-        assert record.number == n
-        failure = FAILURES[(n - 1) % len(FAILURES)]
-        decision = request.on_attempt_failed(record, failure)
+        verdict = failed(request, *FAILURES[(n - 1) % 3], attempt_id=f"att-{n}")
         if n < max_attempts:
-            assert decision == TriggerRetry(failure.reason.value)
+            assert verdict == TriggerRetry(FAILURE_REASONS[(n - 1) % 3])
             assert request.phase is Phase.PREFILL
-            assert request.journal_view()["retry_budget"] == max_attempts - n
-        else:
-            assert isinstance(decision, FailRequest)
-    assert decision.status == 502
-    err = json.loads(decision.body)["error"]
-    assert err["code"] == code
-    assert err["request_id"] == RID
-    assert err["type"] == "gateway_error"
-    assert err["partial_output"] is False
-    assert err["attempts"] == [
-        {
-            "attempt": n,
-            "attempt_id": f"att-{n}",
-            "replica": f"10.0.0.{n}:8000",
-            "outcome": "failed",
-            "detail": FAILURES[(n - 1) % len(FAILURES)].reason.value,
-            "lease": None,
-            "fence": None,
-        }
-        for n in range(1, max_attempts + 1)
-    ]
+            assert views.journal_view(request)["retry_budget"] == max_attempts - n
+    assert isinstance(verdict, FailRequest)
+    assert (verdict.status, verdict.code) == (502, Outcome(code))
     if code == "retry_not_allowed":
-        assert "cost cap" in err["message"]
+        assert "cost cap" in verdict.message
     assert request.phase is Phase.FAILED
     assert request.outcome == Outcome(code)
-    view = request.journal_view()
+    assert request.gate.admit() == Refuse(verdict)
+    err = json.loads(views.error_body(request, verdict))["error"]
+    assert (err["code"], err["request_id"], err["partial_output"]) == (code, RID, False)
+    assert [(a["attempt"], a["outcome"], a["detail"]) for a in err["attempts"]] == [
+        (n, "failed", FAILURE_REASONS[(n - 1) % 3]) for n in range(1, max_attempts + 1)
+    ]
+    view = views.journal_view(request)
     assert (view["phase"], view["outcome"], view["attempt"]) == ("failed", code, max_attempts)
     assert (view["first_delta_sent"], view["retry_budget"], view["delivered_output_tokens"]) == (False, 0, 0)
     events = request.drain_events()
     assert [e.name for e in events][-2:] == [EventName.RETRY_REFUSED, EventName.REQUEST_FAILED]
     assert events[-2].detail["reason"] == code
+    assert events[-1].detail == {"outcome": code}
     assert [e.name for e in events].count(EventName.RETRY_TRIGGERED) == max_attempts - 1
 
 
-def test_attempt_failure_after_first_delta_is_refused() -> None:
+def test_released_attempt_cannot_fail_into_a_retry() -> None:
     request = new_request()
-    record = request.begin_attempt("att-1", "r1")
-    request.on_attempt_released(record, first_delta=True)
-    request.on_response_headers(200, SSE)
-    request.on_response_body(ROLE + C1, False)
+    attempt = released(request)
+    started(request)
+    feed(request, [ROLE + C1], eos_last=False)
     assert request.phase is Phase.DECODE
-    with pytest.raises(RuntimeError):
-        request.on_attempt_failed(record, FAILURES[0])
+    assert attempt.handle(StreamReset()) == []
+    assert attempt.handle(LivenessLost("heartbeat_lapsed")) == []
+    assert (attempt.state, request.retry_budget, request.first_delta_sent) == (AttemptState.RELEASED, 0, True)
 
 
-# --- a complete stream: every byte once -------------------------------------------------------------
+# --- a complete stream: every byte once ----------------------------------------------------------------
 
 # (transcript, route, where delivered_output_tokens comes from)
 COMPLETE = [
@@ -232,35 +309,65 @@ def test_complete_transcript_forwarded_exactly_once(
     chunks = [data] if seed == 0 else random_chunks(data, random.Random(f"{name}:{seed}"))
     request = new_request(kind=kind)
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     decisions = feed(request, chunks)
-    assert all(isinstance(d, Forward) for d in decisions)
-    assert [d.end_of_stream for d in decisions] == [False] * (len(chunks) - 1) + [True]
-    assert b"".join(d.data for d in decisions) == data
-    assert request.phase is Phase.COMPLETED
-    assert request.outcome is Outcome.COMPLETED
+    forwards = [d for d in decisions if isinstance(d, Forward)]
+    assert forwards == decisions
+    assert [d.end_of_stream for d in forwards] == [False] * (len(chunks) - 1) + [True]
+    assert b"".join(d.data for d in forwards) == data
+    assert (request.phase, request.outcome) == (Phase.COMPLETED, Outcome.COMPLETED)
     expected = last_usage(data) if source == "usage" else content_count(data)
     assert expected is not None and expected > 0
-    assert request.delivered_output_tokens == expected
-    assert request.delivered_tokens_source == source
-    view = request.journal_view()
+    assert (request.delivered_output_tokens, request.delivered_tokens_source) == (expected, source)
+    view = views.journal_view(request)
     assert (view["phase"], view["first_delta_sent"], view["delivered_output_tokens"]) == (
         "completed",
         True,
         expected,
     )
+    assert view["attempts"][0]["outcome"] == "completed"
     events = request.drain_events()
     assert events[-1].name is EventName.STREAM_COMPLETED
     assert events[-1].detail == {"delivered_output_tokens": expected}
+    assert [e.name for e in events].count(EventName.STREAM_TERMINATED) == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cr_only_transcript_completes_with_the_replicas_own_done(seed: int) -> None:
+    data = cr_only((REFERENCE / "chat_stream_usage.sse").read_bytes())
+    assert data.endswith(b"data: [DONE]\r\r")
+    chunks = [data] if seed == 0 else random_chunks(data, random.Random(seed))
+    request = new_request()
+    released(request)
+    started(request)
+    decisions = feed(request, chunks)
+    assert b"".join(d.data for d in decisions if isinstance(d, Forward)) == data  # nothing appended
+    assert all(isinstance(d, Forward) for d in decisions)
+    assert (request.phase, request.outcome, request.delivered_output_tokens) == (
+        Phase.COMPLETED,
+        Outcome.COMPLETED,
+        12,
+    )
+
+
+def test_cr_only_done_completed_by_the_end_of_stream() -> None:
+    # `data: [DONE]\r\r` at the end of a chunk may still be followed by "\n": only the end of stream says.
+    data = cr_only(ROLE + C1 + FINISH + DONE_EVENT)
+    request = new_request()
+    released(request)
+    started(request)
+    decisions = feed(request, [data, b""])
+    assert decisions == [Forward(cr_only(ROLE + C1 + FINISH), False), Forward(b"data: [DONE]\r\r", True)]
+    assert request.phase is Phase.COMPLETED
 
 
 def test_transcript_token_sources_differ_where_it_matters() -> None:
     # chat_stream_usage: 12 content events and usage 12; a stream whose events carry several tokens each
     # must be counted by usage, not by events.
-    assert (content_count((REFERENCE / "chat_stream_usage.sse").read_bytes()), 12) == (12, 12)
+    assert content_count((REFERENCE / "chat_stream_usage.sse").read_bytes()) == 12
     request = new_request()
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     stream = ROLE + C1 + C2 + FINISH + chunk(None, usage=7) + DONE_EVENT
     assert feed(request, [stream]) == [Forward(stream, True)]
     assert (request.delivered_output_tokens, request.delivered_tokens_source) == (7, "usage")
@@ -269,7 +376,7 @@ def test_transcript_token_sources_differ_where_it_matters() -> None:
 def test_chunk_split_inside_an_event_forwards_only_whole_events() -> None:
     request = new_request()
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     decisions = feed(request, [ROLE + C1[:20], C1[20:] + C2[:-1], C2[-1:] + FINISH + DONE_EVENT])
     assert decisions == [
         Forward(ROLE, False),
@@ -279,18 +386,124 @@ def test_chunk_split_inside_an_event_forwards_only_whole_events() -> None:
     assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 2)
 
 
-# (json file, route, completion_tokens)
+# A complete answer whose [DONE] is missing (every content event and the finish came, then a clean end):
+# forwarded, `data: [DONE]` appended, COMPLETED; no terminal frame.
+COMPLETE_WITHOUT_DONE: list[tuple[str, list[bytes], list[Forward], int]] = [
+    (
+        "finish_in_last_chunk",
+        [ROLE, C1, C2 + FINISH],
+        [Forward(ROLE, False), Forward(C1, False), Forward(C2 + FINISH + DONE_EVENT, True)],
+        2,
+    ),
+    (
+        "finish_and_usage_then_empty_end",
+        [ROLE + C1 + C2 + FINISH + USAGE_2, b""],
+        [Forward(ROLE + C1 + C2 + FINISH + USAGE_2, False), Forward(DONE_EVENT, True)],
+        2,
+    ),
+    (
+        "finish_then_incomplete_event",
+        [ROLE + C1 + FINISH, USAGE_2[:20]],
+        [Forward(ROLE + C1 + FINISH, False), Forward(DONE_EVENT, True)],
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "expected", "n"),
+    [c[1:] for c in COMPLETE_WITHOUT_DONE],
+    ids=[c[0] for c in COMPLETE_WITHOUT_DONE],
+)
+def test_complete_answer_without_done(chunks: list[bytes], expected: list[Forward], n: int) -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    request.drain_events()
+    assert feed(request, chunks) == expected
+    assert (request.phase, request.outcome, request.delivered_output_tokens) == (
+        Phase.COMPLETED,
+        Outcome.COMPLETED,
+        n,
+    )
+    assert names(request) == ["stream_completed"]
+
+
+def test_usage_transcript_without_done_is_completed() -> None:
+    data = (REFERENCE / "chat_stream_usage.sse").read_bytes()
+    assert data.endswith(DONE_EVENT)
+    request = new_request()
+    released(request)
+    started(request)
+    decisions = feed(request, random_chunks(data[: -len(DONE_EVENT)], random.Random(3)))
+    assert b"".join(d.data for d in decisions if isinstance(d, Forward)) == data
+    assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 12)
+
+
+def test_bytes_after_done_are_not_forwarded() -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    decisions = feed(request, [ROLE + C1 + FINISH + DONE_EVENT + C2, C3 + DONE_EVENT, b""])
+    assert decisions == [
+        Forward(ROLE + C1 + FINISH + DONE_EVENT, True),
+        Forward(b"", False),
+        Forward(b"", True),
+    ]
+    assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 1)
+
+
 @pytest.mark.parametrize(
     ("name", "kind"), [("chat.json", RouteKind.CHAT), ("completions.json", RouteKind.COMPLETIONS)]
 )
 def test_non_streamed_answer(name: str, kind: RouteKind) -> None:
     data = (REFERENCE / name).read_bytes()
     request = new_request(kind=kind, stream=False)
-    released(request)
-    request.on_response_headers(200, "application/json")
+    released(request, stream=False)
+    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    assert request.phase is Phase.DECODE  # delivered whole, as one delta
     assert feed(request, [data[:100], data[100:]]) == [Forward(data[:100], False), Forward(data[100:], True)]
     assert (request.phase, request.outcome) == (Phase.COMPLETED, Outcome.COMPLETED)
     assert request.delivered_output_tokens == json.loads(data)["usage"]["completion_tokens"] == 4
+    assert request.delivered_tokens_source == "usage"
+
+
+@pytest.mark.parametrize("where", ["large_before_usage", "large_after_usage"])
+def test_non_stream_usage_from_its_tail_whatever_its_size(where: str) -> None:
+    data = (REFERENCE / "chat.json").read_bytes()
+    big = b"x" * 400_000
+    if where == "large_before_usage":
+        data = data.replace(b'"content":" aq syqei ws"', b'"content":"' + big + b'"')
+    else:
+        data = data.replace(b'"prompt_logprobs":null', b'"prompt_logprobs":"' + big + b'"')
+    assert len(data) > 400_000
+    request = new_request(stream=False)
+    released(request, stream=False)
+    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    chunks = [data[i : i + 16384] for i in range(0, len(data), 16384)]
+    decisions = feed(request, chunks)
+    assert b"".join(d.data for d in decisions if isinstance(d, Forward)) == data
+    assert (request.delivered_output_tokens, request.delivered_tokens_source) == (4, "usage")
+
+
+def test_non_stream_answer_cut_short_by_the_engine_is_interrupted() -> None:
+    # Released as it came (past the hold bound), then the engine says finish_reason "abort": the client has
+    # the whole body, which says so itself; the journal must not call it complete.
+    data = (
+        (REFERENCE / "chat.json")
+        .read_bytes()
+        .replace(b'"finish_reason":"length"', b'"finish_reason":"abort"')
+    )
+    assert b'"abort"' in data
+    request = new_request(stream=False)
+    released(request, stream=False)
+    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    request.drain_events()
+    chunks = [data[:200], data[200:]]
+    assert feed(request, chunks) == [Forward(chunks[0], False), Forward(chunks[1], True)]
+    assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+    assert request.delivered_output_tokens == 4
+    assert names(request) == ["stream_terminated"]
 
 
 # --- after the first delta: the delivered tail, then exactly one terminal frame ---------------------------
@@ -303,7 +516,7 @@ TERMINATIONS: list[tuple[str, list[bytes], bool, list[bytes], bytes, int]] = [
     ("error_event_split", [ROLE + C1, ERROR[:9], ERROR[9:]], False, [ROLE + C1, b""], b"", 1),
     ("engine_dead_transcript", [ROLE + C1 + C2 + C3, ENGINE_DEAD], True, [ROLE + C1 + C2 + C3], b"", 3),
     ("end_without_done_own_chunk", [ROLE, C1, b""], True, [ROLE, C1], b"", 1),
-    ("end_without_done_with_events", [ROLE, C1, C2 + FINISH], True, [ROLE, C1], C2 + FINISH, 2),
+    ("end_without_done_with_events", [ROLE, C1, C2 + C3], True, [ROLE, C1], C2 + C3, 3),
     ("end_without_done_incomplete_event", [ROLE, C1, C2 + C3[:25]], True, [ROLE, C1], C2, 2),
     ("end_without_done_only_incomplete_event", [ROLE + C1, C2[:-1]], True, [ROLE + C1], b"", 1),
     ("killed_midstream_transcript", [KILLED], True, [], KILLED, 395),
@@ -322,6 +535,26 @@ TERMINATIONS: list[tuple[str, list[bytes], bool, list[bytes], bytes, int]] = [
 ]
 
 
+def check_one_terminal_frame(client: bytes, n: int) -> dict[str, Any]:
+    """What the client got: a prefix of one attempt's events, exactly one terminal frame, then [DONE]."""
+    got = client_events(client)
+    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
+    assert [e for e in got if isinstance(e, dict) and "error" in e] == [got[-2]]
+    err: dict[str, Any] = got[-2]["error"]
+    assert err == {
+        "code": "upstream_decode_interrupted",
+        "message": err["message"],
+        "request_id": RID,
+        "partial_output": True,
+        "delivered_output_tokens": n,
+        "retryable": False,
+    }
+    # Invariant 3: the count in the frame is what the client actually got.
+    usage = last_usage(client)
+    assert n == (usage if usage is not None else content_count(client))
+    return err
+
+
 @pytest.mark.parametrize(
     ("chunks", "eos", "forwarded", "tail", "n"),
     [t[1:] for t in TERMINATIONS],
@@ -332,46 +565,34 @@ def test_terminate_after_first_delta(
 ) -> None:
     request = new_request()
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     request.drain_events()
     decisions = feed(request, chunks, eos_last=eos)
     assert decisions[:-1] == [Forward(f, False) for f in forwarded]
-    assert isinstance(decisions[-1], Terminate)
-    frame = terminal_error_frame(RID, n)
-    assert decisions[-1].data == tail + frame
-    client = b"".join(d.data for d in decisions)
-    # What the client got: a prefix of the attempt's events, exactly one terminal frame, then [DONE].
-    got = client_events(client)
-    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
-    assert [e for e in got if isinstance(e, dict) and "error" in e] == [got[-2]]
-    err = got[-2]["error"]
-    assert err == {
-        "code": "upstream_decode_interrupted",
-        "message": err["message"],
-        "request_id": RID,
-        "partial_output": True,
-        "delivered_output_tokens": n,
-        "retryable": False,
-    }
-    # Invariant 3: the count in the frame and in the journal is what the client actually got.
-    usage = last_usage(client)
-    assert n == (usage if usage is not None else content_count(client))
+    last = decisions[-1]
+    assert isinstance(last, Terminate)
+    assert last.data.startswith(tail)
+    err = check_one_terminal_frame(b"".join(f for f in forwarded) + last.data, n)
+    assert last.data == tail + terminal_error_frame(RID, n, err["message"])
     assert request.delivered_output_tokens == n
     assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
-    view = request.journal_view()
+    view = views.journal_view(request)
     assert (view["phase"], view["outcome"], view["delivered_output_tokens"], view["first_delta_sent"]) == (
         "interrupted",
         "upstream_decode_interrupted",
         n,
         True,
     )
+    assert view["attempts"][0]["outcome"] == "interrupted"
     events = request.drain_events()
     assert [e.name for e in events] == [EventName.STREAM_TERMINATED]
     assert events[0].detail["delivered_output_tokens"] == n
     # Nothing after a Terminate is forwarded, whatever the upstream still sends.
-    assert request.on_response_body(C3 + DONE_EVENT, False) == Forward(b"", False)
-    assert request.on_response_body(C3, True) == Forward(b"", True)
-    request.on_downstream_lost(DownstreamLoss.UPSTREAM_RESET)
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, False)) == Forward(b"", False)
+    assert request.handle(ResponseChunk(C3, True)) == Forward(b"", True)
+    assert request.handle(DeadlineReached()) == NoAction()
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    request.handle(DownstreamLost(DownstreamLoss.UPSTREAM_RESET))
     assert (request.phase, request.delivered_output_tokens, request.drain_events()) == (
         Phase.INTERRUPTED,
         n,
@@ -379,20 +600,293 @@ def test_terminate_after_first_delta(
     )
 
 
-def test_error_before_any_content_is_forwarded_not_terminated() -> None:
-    # The downstream direction never sees this in practice (the attempt fails first); if it does, the
-    # client got no content, so there is nothing to interrupt: no terminal frame is invented.
+def test_oversized_event_after_the_first_delta() -> None:
+    policy = policy_from_mapping({"limits": {"max_event_bytes": 4096}})
+    request = new_request(policy)
+    released(request)
+    started(request)
+    request.drain_events()
+    huge = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"a" * 5000
+    decisions = feed(request, [ROLE + C1, C2 + huge, b"a" * 100 + b'"}}]}\n\n'], eos_last=False)
+    assert decisions[0] == Forward(ROLE + C1, False)
+    last = decisions[1]
+    assert isinstance(last, Terminate)
+    assert last.data.startswith(C2)
+    err = check_one_terminal_frame(ROLE + C1 + last.data, 2)  # C1 and C2 went out
+    assert "limits.max_event_bytes" in err["message"]
+    assert decisions[2] == Forward(b"", False)
+    assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+    assert names(request) == ["stream_terminated"]
+
+
+# --- no attempt was released: Envoy's own answer is replaced by ours -------------------------------------
+
+
+def _one_retry_refused(request: LogicalRequest) -> None:
+    assert failed(request, ResponseHeaders(503, JSON)) == TriggerRetry("upstream_status")
+
+
+def _one_held(request: LogicalRequest) -> None:
+    begin(request).handle(ResponseHeaders(200, SSE))
+
+
+def _none(request: LogicalRequest) -> None:
+    pass
+
+
+# (id, setup, flags, Envoy's code details, no_compatible_replica, status, code). "via_upstream": our own 503
+# (TriggerRetry) came back because Envoy made no retry; anything else: Envoy answered itself.
+_VIA = "via_upstream"
+_RESET_DETAILS = "upstream_reset_before_response_started{connection_failure}"
+ENVOY_ANSWERS: list[tuple[str, Callable[[LogicalRequest], None], set[str], str, str | None, int, Outcome]] = [
+    ("UO_retry_budget", _one_retry_refused, {"UO"}, _VIA, None, 503, Outcome.RETRY_BUDGET_EXHAUSTED),
+    ("UO_with_URX", _one_retry_refused, {"UO", "URX"}, _VIA, None, 503, Outcome.RETRY_BUDGET_EXHAUSTED),
+    ("UT_deadline", _one_held, {"UT"}, "response_timeout", None, 504, Outcome.DEADLINE_EXCEEDED),
+    ("UT_before_any_attempt", _none, {"UT"}, "response_timeout", None, 504, Outcome.DEADLINE_EXCEEDED),
+    (
+        "UH_no_compatible",
+        _one_retry_refused,
+        {"UH"},
+        "no_healthy_upstream",
+        "group gone",
+        503,
+        Outcome.NO_COMPATIBLE_REPLICA,
+    ),
+    (
+        "UH_no_replica",
+        _one_retry_refused,
+        {"UH"},
+        "no_healthy_upstream",
+        None,
+        503,
+        Outcome.NO_REPLICA_AVAILABLE,
+    ),
+    ("NR_no_compatible", _none, {"NR"}, "route_not_found", "group gone", 503, Outcome.NO_COMPATIBLE_REPLICA),
+    ("NR_no_replica", _none, {"NR"}, "route_not_found", None, 503, Outcome.NO_REPLICA_AVAILABLE),
+    ("URX_with_attempts", _one_retry_refused, {"URX"}, _VIA, None, 502, Outcome.RETRIES_EXHAUSTED),
+    (
+        "UF_with_attempts",
+        _one_retry_refused,
+        {"UF", "URX"},
+        _RESET_DETAILS,
+        None,
+        502,
+        Outcome.RETRIES_EXHAUSTED,
+    ),
+    ("UC_with_attempts", _one_held, {"UC"}, _RESET_DETAILS, None, 502, Outcome.RETRIES_EXHAUSTED),
+    ("URX_no_attempts", _none, {"URX"}, _RESET_DETAILS, None, 503, Outcome.NO_REPLICA_AVAILABLE),
+    ("UF_no_attempts", _none, {"UF"}, _RESET_DETAILS, None, 503, Outcome.NO_REPLICA_AVAILABLE),
+    ("no_flags_no_attempts", _none, set(), "", None, 503, Outcome.NO_REPLICA_AVAILABLE),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "flags", "details", "why", "status", "code"),
+    [e[1:] for e in ENVOY_ANSWERS],
+    ids=[e[0] for e in ENVOY_ANSWERS],
+)
+def test_response_of_no_released_attempt_is_replaced(
+    setup: Callable[[LogicalRequest], None],
+    flags: set[str],
+    details: str,
+    why: str | None,
+    status: int,
+    code: Outcome,
+) -> None:
     request = new_request()
-    request.on_response_headers(200, SSE)
-    assert feed(request, [ROLE, ENGINE_DEAD]) == [Forward(ROLE, False), Forward(ENGINE_DEAD, True)]
-    assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 0)
+    setup(request)
+    request.drain_events()
+    attempts = len(request.attempts)
+    started_ = ResponseStarted(503, "text/plain", frozenset(flags), details, no_compatible_replica=why)
+    decision = request.handle(started_)
+    assert isinstance(decision, ReplaceResponse)
+    verdict = decision.verdict
+    assert (verdict.status, verdict.code) == (status, code)
+    assert f"response flags {','.join(sorted(flags)) or 'none'}" in verdict.message
+    if why is not None:
+        assert why in verdict.message
+    # The response it starts never reaches the client: every chunk is dropped.
+    assert (
+        feed(request, [b"upstream connect error or disconnect/reset before headers", b"", ERROR])
+        == [NoAction()] * 3
+    )
+    assert (request.phase, request.outcome) == (Phase.FAILED, code)
+    assert request.gate.final is verdict
+    assert request.gate.admit() == Refuse(verdict)
+    events = request.drain_events()
+    assert [e.name for e in events] == [
+        EventName.RESPONSE_REPLACED,
+        EventName.RETRY_REFUSED,
+        EventName.REQUEST_FAILED,
+    ]
+    assert events[0].attempt == (attempts or None)
+    assert events[0].detail == {"status": 503, "response_flags": sorted(flags), "details": details}
+    assert events[1].detail == {"reason": code.value}
+    assert events[2].detail == {"outcome": code.value}
+    body = json.loads(views.error_body(request, verdict))["error"]
+    assert (body["code"], body["request_id"], body["partial_output"]) == (code.value, RID, False)
+    # Later inputs change nothing.
+    assert request.handle(DeadlineReached()) == NoAction()
+    request.handle(DownstreamLost(DownstreamLoss.CLIENT_GONE))
+    assert (request.phase, request.outcome, request.drain_events()) == (Phase.FAILED, code, [])
+
+
+@pytest.mark.parametrize("details", ["", "via_upstream", "ext_proc_immediate_response"])
+def test_our_own_error_from_the_upstream_filter(details: str) -> None:
+    # The gate refused: the upstream filter answered the client with our error. Whether it passes or is
+    # replaced, the client gets the request's one final error, and only once.
+    request = new_request(NO_RETRY)
+    verdict = failed(request, ResponseHeaders(503, JSON))
+    assert isinstance(verdict, FailRequest) and request.phase is Phase.FAILED
+    request.drain_events()
+    decision = request.handle(ResponseStarted(502, JSON, details=details))
+    body = views.error_body(request, verdict)
+    if isinstance(decision, ReplaceResponse):
+        assert decision.verdict is verdict
+        assert feed(request, [body]) == [NoAction()]
+    else:
+        assert decision == PassResponse()
+        assert feed(request, [body]) == [Forward(body, True)]
+    assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.RETRIES_EXHAUSTED)
+    assert [e.name for e in request.drain_events()].count(EventName.REQUEST_FAILED) == 0
+
+
+def test_released_attempt_whose_release_never_reached_the_client() -> None:
+    # The replica reset after our release, before it reached the router; Envoy answered the client itself.
+    # Invariant 8: never Envoy's raw error; one JSON error naming the request, and nothing was delivered.
+    request = new_request()
+    first = released(request)
+    request.drain_events()
+    decision = request.handle(ResponseStarted(503, "text/plain", frozenset({"UC"}), _RESET_DETAILS))
+    assert isinstance(decision, ReplaceResponse)
+    assert (decision.verdict.status, decision.verdict.code) == (502, Outcome.RETRIES_EXHAUSTED)
+    assert feed(request, [b"upstream connect error or disconnect/reset before headers"]) == [NoAction()]
+    assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.RETRIES_EXHAUSTED)
+    assert (first.state, first.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    assert request.first_delta_sent is False
+    assert request.publisher is None
+    view = views.journal_view(request)
+    assert (view["first_delta_sent"], view["attempts"][0]["outcome"]) == (False, "failed")
+    assert [e.name.value for e in request.drain_events()] == [
+        "attempt_failed",
+        "response_replaced",
+        "retry_refused",
+        "request_failed",
+    ]
+
+
+def test_passed_through_4xx_is_forwarded_as_is() -> None:
+    request = new_request()
+    attempt = begin(request)
+    assert attempt.handle(ResponseHeaders(400, JSON)) == [Release(0)]
+    assert request.handle(ResponseStarted(400, JSON)) == PassResponse()
+    body = (REFERENCE / "err_bad_json.txt").read_bytes()
+    assert feed(request, [body]) == [Forward(body, True)]
+    assert request.phase is Phase.FAILED
+    assert request.first_delta_sent is False
+
+
+# --- the gateway's own deadline ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setup", [_none, _one_held, _one_retry_refused], ids=["no_attempt", "held", "retrying"]
+)
+def test_deadline_before_any_response(setup: Callable[[LogicalRequest], None]) -> None:
+    request = new_request()
+    setup(request)
+    request.drain_events()
+    decision = request.handle(DeadlineReached())
+    assert isinstance(decision, FailNow)
+    assert (decision.verdict.status, decision.verdict.code) == (504, Outcome.DEADLINE_EXCEEDED)
+    assert "deadlines.request_seconds" in decision.verdict.message
+    assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.DEADLINE_EXCEEDED)
+    assert request.gate.admit() == Refuse(decision.verdict)
+    assert names(request) == ["retry_refused", "request_failed"]
+    assert request.handle(DeadlineReached()) == NoAction()
+
+
+def test_deadline_after_the_first_delta() -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    assert feed(request, [ROLE + C1, C2], eos_last=False) == [Forward(ROLE + C1, False), Forward(C2, False)]
+    request.drain_events()
+    decision = request.handle(DeadlineReached())
+    assert isinstance(decision, Terminate)
+    err = check_one_terminal_frame(ROLE + C1 + C2 + decision.data, 2)
+    assert "deadlines.request_seconds = 300 s" in err["message"]
+    assert decision.data == terminal_error_frame(RID, 2, err["message"])
+    assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.DEADLINE_EXCEEDED)
+    events = request.drain_events()
+    assert [e.name for e in events] == [EventName.STREAM_TERMINATED]
+    assert events[0].detail["delivered_output_tokens"] == 2
+    assert feed(request, [C3 + FINISH + DONE_EVENT]) == [Forward(b"", True)]
+    assert request.outcome is Outcome.DEADLINE_EXCEEDED
+
+
+def test_deadline_after_the_end() -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    feed(request, [ROLE + C1 + FINISH + DONE_EVENT])
+    request.drain_events()
+    assert request.handle(DeadlineReached()) == NoAction()
+    assert (request.phase, request.outcome, request.drain_events()) == (
+        Phase.COMPLETED,
+        Outcome.COMPLETED,
+        [],
+    )
+
+
+# --- the publisher lost its right to publish ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cause", ["heartbeat_lapsed", "progress_gap", "lease_lost"])
+def test_publisher_lost_after_the_first_delta(cause: str) -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    feed(request, [ROLE + C1], eos_last=False)
+    request.drain_events()
+    decision = request.handle(PublisherLost(cause))
+    assert isinstance(decision, Terminate)
+    err = check_one_terminal_frame(ROLE + C1 + decision.data, 1)
+    assert {"heartbeat_lapsed": "heartbeat", "progress_gap": "stopped arriving", "lease_lost": "lease"}[
+        cause
+    ] in (err["message"])
+    assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+    events = request.drain_events()
+    assert [(e.name, e.attempt) for e in events] == [
+        (EventName.REPLICA_LOST, 1),
+        (EventName.STREAM_TERMINATED, None),
+    ]
+    assert events[0].detail == {"cause": cause}
+    assert request.handle(ResponseChunk(C2, False)) == Forward(b"", False)
+
+
+def test_publisher_lost_before_the_first_delta_or_after_the_end() -> None:
+    request = new_request()
+    begin(request)
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert request.phase is Phase.PREFILL
+    done = new_request()
+    released(done)
+    started(done)
+    feed(done, [ROLE + C1 + FINISH + DONE_EVENT])
+    done.drain_events()
+    assert done.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert (done.phase, done.drain_events()) == (Phase.COMPLETED, [])
+
+
+# --- a generation without content -----------------------------------------------------------------------
 
 
 def test_empty_generation_completes_with_zero_tokens() -> None:
     request = new_request()
-    record = request.begin_attempt("att-1", "r1")
-    request.on_attempt_released(record, first_delta=False)
-    request.on_response_headers(200, SSE)
+    released(request, content=False)
+    assert request.first_delta_sent is False
+    started(request)
     stream = ROLE + FINISH + DONE_EVENT
     assert feed(request, [stream]) == [Forward(stream, True)]
     assert (request.phase, request.first_delta_sent, request.delivered_output_tokens) == (
@@ -406,150 +900,178 @@ def test_empty_generation_completes_with_zero_tokens() -> None:
 
 
 def _in_prefill(request: LogicalRequest) -> None:
-    request.begin_attempt("att-1", "r1")
+    begin(request)
 
 
 def _in_decode(request: LogicalRequest) -> None:
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     feed(request, [ROLE + C1 + C2, C3], eos_last=False)
 
 
 def _completed(request: LogicalRequest) -> None:
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     feed(request, [ROLE + C1 + FINISH + DONE_EVENT])
 
 
 def _terminated(request: LogicalRequest) -> None:
     released(request)
-    request.on_response_headers(200, SSE)
+    started(request)
     feed(request, [ROLE + C1 + ERROR], eos_last=False)
 
 
-@pytest.mark.parametrize(
-    ("setup", "cause", "phase", "outcome", "event", "n"),
-    [
-        (
-            _in_prefill,
-            DownstreamLoss.CLIENT_GONE,
-            Phase.CANCELLED,
-            Outcome.CLIENT_DISCONNECTED,
-            EventName.CLIENT_DISCONNECTED,
-            0,
-        ),
-        (
-            _in_prefill,
-            DownstreamLoss.UPSTREAM_RESET,
-            Phase.CANCELLED,
-            Outcome.CLIENT_DISCONNECTED,
-            EventName.CLIENT_DISCONNECTED,
-            0,
-        ),
-        (
-            _in_prefill,
-            DownstreamLoss.UNKNOWN,
-            Phase.CANCELLED,
-            Outcome.CLIENT_DISCONNECTED,
-            EventName.CLIENT_DISCONNECTED,
-            0,
-        ),
-        (
-            _in_decode,
-            DownstreamLoss.CLIENT_GONE,
-            Phase.CANCELLED,
-            Outcome.CLIENT_DISCONNECTED,
-            EventName.CLIENT_DISCONNECTED,
-            3,
-        ),
-        (
-            _in_decode,
-            DownstreamLoss.UPSTREAM_RESET,
-            Phase.INTERRUPTED,
-            Outcome.UPSTREAM_DECODE_INTERRUPTED,
-            EventName.STREAM_RESET,
-            3,
-        ),
-        (
-            _in_decode,
-            DownstreamLoss.UNKNOWN,
-            Phase.INTERRUPTED,
-            Outcome.UPSTREAM_DECODE_INTERRUPTED,
-            EventName.STREAM_RESET,
-            3,
-        ),
-        (_completed, DownstreamLoss.CLIENT_GONE, Phase.COMPLETED, Outcome.COMPLETED, None, 1),
-        (_completed, DownstreamLoss.UPSTREAM_RESET, Phase.COMPLETED, Outcome.COMPLETED, None, 1),
-        (
-            _terminated,
-            DownstreamLoss.CLIENT_GONE,
-            Phase.INTERRUPTED,
-            Outcome.UPSTREAM_DECODE_INTERRUPTED,
-            None,
-            1,
-        ),
-    ],
-    ids=[
-        "prefill_client_gone",
-        "prefill_upstream_reset",
-        "prefill_unknown",
-        "decode_client_gone",
-        "decode_upstream_reset",
-        "decode_unknown",
+_CANCELLED = (Phase.CANCELLED, Outcome.CLIENT_DISCONNECTED, EventName.CLIENT_DISCONNECTED)
+_STREAM_RESET = (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED, EventName.STREAM_RESET)
+DOWNSTREAM_LOST: list[tuple[str, Callable[[LogicalRequest], None], DownstreamLoss, tuple[Any, ...], int]] = [
+    ("prefill_client_gone", _in_prefill, DownstreamLoss.CLIENT_GONE, _CANCELLED, 0),
+    (
+        "prefill_upstream_reset",  # the real cause: the upstream's, not the client's
+        _in_prefill,
+        DownstreamLoss.UPSTREAM_RESET,
+        (Phase.FAILED, Outcome.UPSTREAM_ERROR, EventName.STREAM_RESET),
+        0,
+    ),
+    ("prefill_unknown", _in_prefill, DownstreamLoss.UNKNOWN, _CANCELLED, 0),
+    ("decode_client_gone", _in_decode, DownstreamLoss.CLIENT_GONE, _CANCELLED, 3),
+    ("decode_upstream_reset", _in_decode, DownstreamLoss.UPSTREAM_RESET, _STREAM_RESET, 3),
+    ("decode_unknown", _in_decode, DownstreamLoss.UNKNOWN, _STREAM_RESET, 3),
+    (
+        "decode_envoy_deadline",
+        _in_decode,
+        DownstreamLoss.DEADLINE,
+        (Phase.INTERRUPTED, Outcome.DEADLINE_EXCEEDED, EventName.STREAM_RESET),
+        3,
+    ),
+    (
+        "prefill_envoy_exited",
+        _in_prefill,
+        DownstreamLoss.ENVOY_EXITED,
+        (Phase.FAILED, Outcome.ENVOY_EXITED, EventName.STREAM_RESET),
+        0,
+    ),
+    (
+        "decode_envoy_exited",
+        _in_decode,
+        DownstreamLoss.ENVOY_EXITED,
+        (Phase.INTERRUPTED, Outcome.ENVOY_EXITED, EventName.STREAM_RESET),
+        3,
+    ),
+    (
         "completed_client_gone",
+        _completed,
+        DownstreamLoss.CLIENT_GONE,
+        (Phase.COMPLETED, Outcome.COMPLETED, None),
+        1,
+    ),
+    (
         "completed_upstream_reset",
+        _completed,
+        DownstreamLoss.UPSTREAM_RESET,
+        (Phase.COMPLETED, Outcome.COMPLETED, None),
+        1,
+    ),
+    (
         "terminated_client_gone",
-    ],
+        _terminated,
+        DownstreamLoss.CLIENT_GONE,
+        (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED, None),
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "cause", "expected", "n"), [d[1:] for d in DOWNSTREAM_LOST], ids=[d[0] for d in DOWNSTREAM_LOST]
 )
 def test_downstream_lost(
-    setup: Any, cause: DownstreamLoss, phase: Phase, outcome: Outcome, event: EventName | None, n: int
+    setup: Callable[[LogicalRequest], None], cause: DownstreamLoss, expected: tuple[Any, ...], n: int
 ) -> None:
+    phase, outcome, event = expected
     request = new_request()
     setup(request)
     request.drain_events()
-    request.on_downstream_lost(cause)
+    assert request.handle(DownstreamLost(cause)) == NoAction()
     assert (request.phase, request.outcome, request.delivered_output_tokens) == (phase, outcome, n)
     events = request.drain_events()
     if event is None:
         assert events == []
     else:
-        assert [e.name for e in events] == [event]
+        failed = [EventName.REQUEST_FAILED] if phase is Phase.FAILED else []
+        assert [e.name for e in events] == [event, *failed]
         assert events[0].detail["delivered_output_tokens"] == n
         if event is EventName.STREAM_RESET:
             assert events[0].detail["cause"] == cause.value
-    assert request.journal_view()["retry_budget"] == 0  # a terminal request never starts another attempt
+    assert request.retry_budget == 0  # a terminal request never starts another attempt
+    assert views.journal_view(request)["retry_budget"] == 0
 
 
-# --- a release that never reached the router ----------------------------------------------------------
-
-
-def test_released_attempt_reset_before_release_reached_router() -> None:
+@pytest.mark.parametrize("release", [False, True], ids=["writing_ahead", "released"])
+def test_upstream_reset_before_any_headers_reached_the_client(release: bool) -> None:
+    # Envoy answered the client itself (a reset it does not retry) while our release was on its way.
     request = new_request()
-    first = request.begin_attempt("att-1", "r1")
-    request.on_attempt_released(first, first_delta=True)
+    attempt = begin(request)
+    attempt.handle(ResponseHeaders(200, SSE))
+    attempt.handle(ResponseBody(ROLE + C1, False))
+    if release:
+        attempt.handle(WriteAheadDone())
     assert request.first_delta_sent is True
-    assert request.journal_view()["first_delta_sent"] is True
     request.drain_events()
-    # Envoy retried on its own: the replica reset before our release reached the router.
-    second = request.begin_attempt("att-2", "r2")
-    assert (first.outcome, first.detail) == ("failed", "lost_before_release")
+    assert request.handle(DownstreamLost(DownstreamLoss.UPSTREAM_RESET)) == NoAction()
+    assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.UPSTREAM_ERROR)
+    assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    assert request.first_delta_sent is False  # nothing of it reached the client: the id may be re-run
+    events = request.drain_events()
+    assert [e.name for e in events] == [
+        EventName.ATTEMPT_FAILED,
+        EventName.STREAM_RESET,
+        EventName.REQUEST_FAILED,
+    ]
+    assert events[1].detail == {"cause": "upstream_reset", "delivered_output_tokens": 0}
+
+
+# --- a release that never reached the router: Envoy retried on its own ------------------------------------
+
+
+def test_released_attempt_superseded_before_its_release_reached_the_router() -> None:
+    request = new_request()
+    first = released(request)
+    assert request.first_delta_sent is True
+    assert views.journal_view(request)["first_delta_sent"] is True
+    request.drain_events()
+    admission = request.gate.admit()
+    assert isinstance(admission, Supersede) and admission.attempt is first
+    decisions = first.handle(Superseded())
+    failure = decisions[0]
+    assert isinstance(failure, Failed) and decisions[1:] == [SettleLease("connection_closed")]
+    assert (first.outcome, first.failure) == ("failed", FailureReason.LOST_BEFORE_RELEASE)
     assert request.first_delta_sent is False
+    assert request.publisher is None
     assert request.phase is Phase.PREFILL
+    assert request.gate.verdict(first, failure, no_compatible_replica=None) == TriggerRetry(
+        "lost_before_release"
+    )
+    assert isinstance(request.gate.admit(), AwaitFence)
+    first.handle(FenceProven("connection_closed"))
+    second = begin(request, "att-2", "r2")
     events = request.drain_events()
     assert [(e.name, e.attempt) for e in events] == [
         (EventName.ATTEMPT_FAILED, 1),
+        (EventName.RETRY_TRIGGERED, 1),
         (EventName.ATTEMPT_STARTED, 2),
     ]
     assert events[0].detail["reason"] == "lost_before_release"
-    view = request.journal_view()
+    view = views.journal_view(request)
     assert view["first_delta_sent"] is False
     assert [(a["attempt"], a["outcome"], a["detail"]) for a in view["attempts"]] == [
         (1, "failed", "lost_before_release"),
-        (2, None, None),
+        (2, "awaiting_headers", None),
     ]
     # The second attempt then delivers normally.
-    request.on_attempt_released(second, first_delta=True)
-    request.on_response_headers(200, SSE)
+    second.handle(ResponseHeaders(200, SSE))
+    second.handle(ResponseBody(ROLE + C1, False))
+    assert second.handle(WriteAheadDone()) == [Release(1)]
+    started(request)
     feed(request, [ROLE + C1 + FINISH + DONE_EVENT])
     assert (request.phase, request.first_delta_sent, request.delivered_output_tokens) == (
         Phase.COMPLETED,
@@ -560,25 +1082,97 @@ def test_released_attempt_reset_before_release_reached_router() -> None:
 
 def test_unreported_attempt_is_marked_lost_when_the_next_begins() -> None:
     request = new_request()
-    first = request.begin_attempt("att-1", "r1")
-    request.begin_attempt("att-2", "r2")
-    assert (first.outcome, first.detail) == ("failed", "connection_lost")
+    first = begin(request)
+    admission = request.gate.admit()
+    assert isinstance(admission, Supersede) and admission.attempt is first
+    assert first.handle(Superseded()) == [
+        Failed(FailureReason.CONNECTION_LOST),
+        SettleLease("connection_closed"),
+    ]
+    assert first.outcome == "failed"
     assert request.first_delta_sent is False
 
 
-def test_released_attempt_whose_release_never_reached_the_client() -> None:
-    # The replica reset after our release, Envoy answered the client with an error of its own.
-    request = new_request()
-    first = request.begin_attempt("att-1", "r1")
-    request.on_attempt_released(first, first_delta=True)
-    request.on_response_headers(503, "text/plain")
-    assert feed(request, [b"upstream connect error"]) == [Forward(b"upstream connect error", True)]
-    assert (request.phase, request.outcome, request.first_delta_sent) == (
-        Phase.FAILED,
-        Outcome.UPSTREAM_ERROR,
+# --- first_delta_sent is derived ---------------------------------------------------------------------
+
+# (id, attempt inputs after begin, first_delta_sent)
+FIRST_DELTA: list[tuple[str, list[Input], bool]] = [
+    ("awaiting_headers", [], False),
+    ("holding", [ResponseHeaders(200, SSE), ResponseBody(ROLE, False)], False),
+    ("writing_ahead", [ResponseHeaders(200, SSE), ResponseBody(C1, False)], True),
+    ("writing_ahead_reset", [ResponseHeaders(200, SSE), ResponseBody(C1, False), StreamReset()], False),
+    (
+        "writing_ahead_fenced",
+        [ResponseHeaders(200, SSE), ResponseBody(C1, False), LivenessLost("lease_lost")],
         False,
-    )
-    assert (first.outcome, first.detail) == ("failed", "lost_before_release")
+    ),
+    ("released", [ResponseHeaders(200, SSE), ResponseBody(C1, False), WriteAheadDone()], True),
+    (
+        "released_superseded",
+        [ResponseHeaders(200, SSE), ResponseBody(C1, False), WriteAheadDone(), Superseded()],
+        False,
+    ),
+    (
+        "empty_generation_writing_ahead",
+        [ResponseHeaders(200, SSE), ResponseBody(FINISH + DONE_EVENT, True)],
+        False,
+    ),
+    (
+        "empty_generation_released",
+        [ResponseHeaders(200, SSE), ResponseBody(FINISH + DONE_EVENT, True), WriteAheadDone()],
+        False,
+    ),
+    ("non_stream_released", [ResponseHeaders(200, JSON), ResponseBody(b"{}", True), WriteAheadDone()], True),
+    ("passed_through", [ResponseHeaders(404, JSON)], False),
+    ("failed", [ResponseHeaders(503, JSON)], False),
+]
+
+
+@pytest.mark.parametrize(("inputs", "sent"), [f[1:] for f in FIRST_DELTA], ids=[f[0] for f in FIRST_DELTA])
+def test_first_delta_sent_is_derived(inputs: list[Input], sent: bool) -> None:
+    request = new_request()
+    attempt = begin(request)
+    for event in inputs:
+        attempt.handle(event)
+    assert request.first_delta_sent is sent
+    assert views.journal_view(request)["first_delta_sent"] is sent
+
+
+def test_first_delta_sent_once_content_was_forwarded() -> None:
+    request = new_request()
+    released(request)
+    started(request)
+    feed(request, [ROLE + C1], eos_last=False)
+    assert (request.first_delta_sent, request.phase, request.retry_budget) == (True, Phase.DECODE, 0)
+
+
+# --- tool calls ----------------------------------------------------------------------------------------
+
+
+def test_tool_calls_beyond_the_cap_are_counted_not_listed() -> None:
+    policy = policy_from_mapping({"tools": {"max_calls_per_request": 2}})
+    request = new_request(policy)
+    request.drain_events()
+    for key in ("k1", "k2", "k3", "k4"):
+        decision = request.handle(ToolCallNoted(EventName.TOOL_CALL_CLAIMED, key, 1, {"tool": "search"}))
+        assert decision == NoAction()
+    for _ in range(20):
+        request.handle(ToolCallNoted(EventName.TOOL_CALL_REPLAYED, "k1", 1))
+    request.handle(ToolCallNoted(EventName.TOOL_CALL_EXECUTED, "k3", 1))  # not listed: still not listed
+    assert list(request.tool_calls) == ["k1", "k2"]
+    assert request.tool_calls_dropped == 3
+    k1 = request.tool_calls["k1"]
+    assert len(k1["events"]) == 16  # one key's flood is not listed whole
+    assert k1["events"][0] == {"event": "tool_call_claimed", "attempt": 1, "tool": "search"}
+    view = views.journal_view(request)
+    assert [t["key"] for t in view["tool_calls"]] == ["k1", "k2"]
+    assert view["tool_calls_not_listed"] == 3
+    events = request.drain_events()
+    assert [(e.name.value, e.detail["key"]) for e in events[:2]] == [
+        ("tool_call_claimed", "k1"),
+        ("tool_call_claimed", "k2"),
+    ]
+    assert len(events) == 2 + 20
 
 
 # --- the event trace of a whole story ---------------------------------------------------------------
@@ -586,13 +1180,19 @@ def test_released_attempt_whose_release_never_reached_the_client() -> None:
 
 def test_event_names_retry_then_complete() -> None:
     request = new_request()
-    first = request.begin_attempt("att-1", "r1")
-    assert request.on_attempt_failed(first, FAILURES[0]) == TriggerRetry("connection_lost")
-    second = request.begin_attempt("att-2", "r2")
-    request.on_attempt_released(second, first_delta=True)
-    request.on_response_headers(200, SSE)
+    assert failed(request, ResponseHeaders(200, SSE), StreamReset()) == TriggerRetry("connection_lost")
+    second = begin(request, "att-2", "r2")
+    second.handle(ResponseHeaders(200, SSE))
     data = (REFERENCE / "chat_stream_usage.sse").read_bytes()
-    assert b"".join(d.data for d in feed(request, random_chunks(data, random.Random(1)))) == data
+    chunks = random_chunks(data, random.Random(1))
+    held = 0
+    for c in chunks:
+        held += 1
+        if second.handle(ResponseBody(c, False)):
+            break
+    assert second.handle(WriteAheadDone()) == [Release(held)]
+    started(request)
+    assert b"".join(d.data for d in feed(request, chunks) if isinstance(d, Forward)) == data
     events = request.drain_events()
     assert [(e.name.value, e.attempt) for e in events] == [
         ("request_accepted", None),
