@@ -34,7 +34,7 @@ async def http_get(host: str, port: int, path: str, timeout: float) -> tuple[int
             writer.write(request.encode())
             await writer.drain()
             raw = b""
-            while len(raw) <= _MAX_BODY:
+            while len(raw) <= _MAX_BODY and not _complete(raw):
                 chunk = await reader.read(65536)
                 if not chunk:
                     break
@@ -69,3 +69,16 @@ def _dechunk(data: bytes) -> bytes:
         out += rest[:size]
         data = rest[size + 2 :]
     return out
+
+
+def _complete(raw: bytes) -> bool:
+    """A response framed by Content-Length is complete without waiting for the server to close (a server
+    may keep the connection open despite `Connection: close`)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return len(body) >= int(value.strip())
+    return False
