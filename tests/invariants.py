@@ -518,9 +518,12 @@ class _Check:
         d, client = self.d, self.client
         end, died = self.replica_attempt(self.serving_attempt_id())
         abrupt = died or (end is not None and end.get("outcome") in ABRUPT_REPLICA_OUTCOMES)
+        # Released by the gateway (the write-ahead says so): the first delta was on its way when the replica
+        # died, and Envoy may drop what it had not yet written to the client with the reset (DESIGN §5.5), so
+        # "200, then a reset" without content is the honest outcome, journaled as an interruption.
         journal_count = self.journal.get("delivered_output_tokens")
-        written_by_gateway = bool(self.journal.get("first_delta_sent")) and bool(journal_count)
-        if not d.content and not (abrupt and written_by_gateway):
+        released = bool(self.journal.get("first_delta_sent"))
+        if not d.content and not (abrupt and released):
             self.flag(
                 "8",
                 "reset-without-content",

@@ -24,7 +24,10 @@ from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
+# Called with the cause: "heartbeat_lapsed" (registry) or "health_check_failed" (static replica probe).
 LossCallback = Callable[[str], Awaitable[None]]
+HEARTBEAT_LAPSED = "heartbeat_lapsed"
+HEALTH_CHECK_FAILED = "health_check_failed"
 
 
 class Liveness(enum.StrEnum):
@@ -85,10 +88,11 @@ class LivenessMonitor:
         return address in self._ever_registered
 
     def on_loss(self, address: str, callback: LossCallback) -> Callable[[], None]:
-        """Call `callback(address)` once if this replica is lost (at once if it is lost already); returns the
+        """Call `callback(cause)` once if this replica is lost (at once if it is lost already); returns the
         function that unsubscribes."""
         if self.state(address) is Liveness.LOST:
-            asyncio.get_running_loop().create_task(callback(address))
+            cause = HEARTBEAT_LAPSED if address in self._ever_registered else HEALTH_CHECK_FAILED
+            asyncio.get_running_loop().create_task(callback(cause))
             return lambda: None
         self._watchers.setdefault(address, set()).add(callback)
 
@@ -111,13 +115,13 @@ class LivenessMonitor:
             self.changed.set()
             self.changed = asyncio.Event()
             for address in lost:
-                self._lost(address, "lost its heartbeat")
+                self._lost(address, HEARTBEAT_LAPSED)
 
-    def _lost(self, address: str, why: str) -> None:
+    def _lost(self, address: str, cause: str) -> None:
         callbacks = self._watchers.pop(address, set())
-        log.warning("replica %s %s: fencing %d attempt(s)", address, why, len(callbacks))
+        log.warning("replica %s lost (%s): fencing %d attempt(s)", address, cause, len(callbacks))
         for callback in callbacks:
-            asyncio.get_running_loop().create_task(callback(address))
+            asyncio.get_running_loop().create_task(callback(cause))
 
     async def _probe_static(self) -> None:
         while True:
@@ -126,7 +130,7 @@ class LivenessMonitor:
                 failures = 0 if healthy else self._static_failures[address] + 1
                 self._static_failures[address] = failures
                 if failures == self._probe_failures:
-                    self._lost(address, f"failed {failures} health probes in a row")
+                    self._lost(address, HEALTH_CHECK_FAILED)
             await asyncio.sleep(self._probe_interval)
 
     async def _probe(self, address: str) -> bool:

@@ -66,6 +66,7 @@ class FailureReason(enum.StrEnum):
 
 _FENCE_CAUSES = {
     "heartbeat_lapsed": FailureReason.REPLICA_LOST,
+    "health_check_failed": FailureReason.REPLICA_LOST,  # a static replica stopped answering /health
     "progress_gap": FailureReason.PATH_LOST,
     "lease_lost": FailureReason.LEASE_LOST,
     # Its connection closed, but it showed a sign of running on: as uncertain as a lapsed heartbeat.

@@ -104,6 +104,7 @@ class DeadlineReached:
 @dataclass(frozen=True, slots=True)
 class DownstreamLost:
     cause: DownstreamLoss
+    client_status: int | None = None  # what Envoy's access log says the client got (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ NO_ACTION = NoAction()
 
 _PUBLISHER_LOST = {
     "heartbeat_lapsed": "the replica's heartbeat lapsed after the first delta; its attempt was fenced",
+    "health_check_failed": "the replica stopped answering its health check after the first delta",
     "progress_gap": "the replica's bytes stopped arriving after the first delta; its attempt was fenced",
     "lease_lost": "the attempt's lease could not be kept after the first delta: it lost its right to publish",
 }
@@ -280,7 +282,7 @@ class LogicalRequest:
         if isinstance(event, DeadlineReached):
             return self._deadline()
         if isinstance(event, DownstreamLost):
-            self._downstream_lost(event.cause)
+            self._downstream_lost(event)
             return NO_ACTION
         self._tool_call(event)
         return NO_ACTION
@@ -438,42 +440,40 @@ class LogicalRequest:
             )
         return self._terminate([], why, outcome=Outcome.DEADLINE_EXCEEDED)
 
-    def _downstream_lost(self, cause: DownstreamLoss) -> None:
+    def _downstream_lost(self, e: DownstreamLost) -> None:
+        cause = e.cause
         if self.is_terminal:
             return
         if self._response.done_seen:
             # The client already has the whole generation ([DONE] went out); it just closed first.
             self._finish(Phase.COMPLETED, Outcome.COMPLETED)
             return
-        if cause is DownstreamLoss.ENVOY_EXITED:
-            self._emit(
-                EventName.STREAM_RESET,
-                cause=cause.value,
-                delivered_output_tokens=self.delivered_output_tokens,
-            )
-            interrupted = self.phase is Phase.DECODE
-            self._finish(Phase.INTERRUPTED if interrupted else Phase.FAILED, Outcome.ENVOY_EXITED)
-            return
-        if cause is DownstreamLoss.UPSTREAM_RESET and self.phase is Phase.PREFILL:
-            # Envoy answered the client itself before any attempt's headers reached it (e.g. a replica's
-            # protocol error while the release was on its way; Envoy does not retry those).
-            last = self.gate.attempts[-1] if self.gate.attempts else None
-            if last is not None and last.state in (AttemptState.RELEASED, AttemptState.WRITING_AHEAD):
-                last.handle(Superseded())  # nothing of it reached the client
-            self._emit(EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=0)
-            self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
-            return
-        if cause is DownstreamLoss.CLIENT_GONE or self.phase is Phase.PREFILL:
-            self._emit(EventName.CLIENT_DISCONNECTED, delivered_output_tokens=self.delivered_output_tokens)
+        delivered = self.delivered_output_tokens
+        if cause is DownstreamLoss.CLIENT_GONE or (
+            cause is DownstreamLoss.UNKNOWN and self.phase is Phase.PREFILL
+        ):
+            self._emit(EventName.CLIENT_DISCONNECTED, delivered_output_tokens=delivered)
             self._finish(Phase.CANCELLED, Outcome.CLIENT_DISCONNECTED)
             return
-        self._emit(
-            EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=self.delivered_output_tokens
-        )
-        if cause is DownstreamLoss.DEADLINE:
-            self._finish(Phase.INTERRUPTED, Outcome.DEADLINE_EXCEEDED)
-        else:
-            self._finish(Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+        # Headers we passed may still have been replaced by Envoy's own answer (a reset right after them).
+        started = self._response.status is not None and e.client_status in (None, self._response.status)
+        if not started and self.phase is Phase.PREFILL:
+            # Nothing went out: Envoy answered the client itself (or nobody could) before any attempt's
+            # headers reached it — e.g. a replica's protocol error while the release was on its way.
+            last = self.gate.attempts[-1] if self.gate.attempts else None
+            if last is not None and last.state in (AttemptState.RELEASED, AttemptState.WRITING_AHEAD):
+                last.handle(Superseded())  # nothing of it reached the client; its lease goes at settle
+            self._emit(EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=delivered)
+            failed = Outcome.ENVOY_EXITED if cause is DownstreamLoss.ENVOY_EXITED else Outcome.UPSTREAM_ERROR
+            self._finish(Phase.FAILED, failed)
+            return
+        # The stream had started (headers, maybe content): it was cut.
+        self._emit(EventName.STREAM_RESET, cause=cause.value, delivered_output_tokens=delivered)
+        outcome = {
+            DownstreamLoss.DEADLINE: Outcome.DEADLINE_EXCEEDED,
+            DownstreamLoss.ENVOY_EXITED: Outcome.ENVOY_EXITED,
+        }.get(cause, Outcome.UPSTREAM_DECODE_INTERRUPTED)
+        self._finish(Phase.INTERRUPTED, outcome)
 
     def _tool_call(self, e: ToolCallNoted) -> None:
         entry = self.tool_calls.get(e.key)

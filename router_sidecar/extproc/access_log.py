@@ -56,7 +56,12 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
                 request_id = entry.request.request_id
                 log.debug("access log: %s flags=%s", request_id, entry.common_properties.response_flags)
                 if request_id:
+                    code = (
+                        entry.response.response_code.value
+                        if entry.response.HasField("response_code")
+                        else None
+                    )
                     self._registry.note_access_log(
-                        request_id, classify(entry.common_properties.response_flags)
+                        request_id, classify(entry.common_properties.response_flags), code
                     )
         return als_pb2.StreamAccessLogsResponse()

@@ -340,7 +340,9 @@ class Inference(PassThrough):
                 # Who tore the stream down (the client, the replica, Envoy itself) is in Envoy's access log.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
-                request.handle(r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN))
+                request.handle(
+                    r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN, live.client_status)
+                )
             services.journal.update(request)
         finally:
             live.stop_watching()

@@ -21,6 +21,7 @@ from router_sidecar.core.request import DownstreamLoss, LogicalRequest
 class Live:
     request: LogicalRequest
     loss_cause: DownstreamLoss | None = None
+    client_status: int | None = None  # the status Envoy sent the client (its access log)
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.
     publisher_lost: Callable[[str], Awaitable[None]] | None = None
@@ -30,16 +31,16 @@ class Live:
     def watch_publisher(self, liveness: LivenessMonitor, attempt: Attempt, progress: Tracked) -> None:
         """After the first delta, the downstream stream answers for the attempt that publishes."""
 
-        async def heartbeat_lapsed(address: str) -> None:
+        async def replica_lost(cause: str) -> None:
             if self.publisher_lost is not None:
-                await self.publisher_lost("heartbeat_lapsed")
+                await self.publisher_lost(cause)
 
         async def progress_gap() -> None:
             if self.publisher_lost is not None:
                 await self.publisher_lost("progress_gap")
 
         self.stop_watching()
-        self._unwatch = liveness.on_loss(attempt.replica, heartbeat_lapsed)
+        self._unwatch = liveness.on_loss(attempt.replica, replica_lost)
         # The held bytes flow through the downstream filter again after the release: count from zero.
         progress.received, progress.gap_since, progress.on_lost = 0, None, progress_gap
         self.publisher_progress = progress
@@ -77,8 +78,10 @@ class Registry:
             live.loss_cause = DownstreamLoss.ENVOY_EXITED
             live.access_logged.set()
 
-    def note_access_log(self, request_id: str, cause: DownstreamLoss | None) -> None:
+    def note_access_log(
+        self, request_id: str, cause: DownstreamLoss | None, status: int | None = None
+    ) -> None:
         live = self._live.get(request_id)
         if live is not None:
-            live.loss_cause = cause
+            live.loss_cause, live.client_status = cause, status
             live.access_logged.set()

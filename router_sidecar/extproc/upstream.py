@@ -87,13 +87,13 @@ class UpstreamStream:
             )
         )
 
-        async def heartbeat_lapsed(address: str) -> None:
-            self._feed(request, attempt, a.LivenessLost("heartbeat_lapsed"))
+        async def replica_lost(cause: str) -> None:
+            self._feed(request, attempt, a.LivenessLost(cause))
 
         async def progress_gap() -> None:
             self._feed(request, attempt, a.LivenessLost("progress_gap"))
 
-        unsubscribe = self._services.liveness.on_loss(replica, heartbeat_lapsed)
+        unsubscribe = self._services.liveness.on_loss(replica, replica_lost)
         self._tracked = self._services.progress.track(attempt.attempt_id, progress_gap)
         try:
             await self._hold(context, live, attempt)

@@ -409,16 +409,56 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
     killed[0].start(wait=False)
 
 
-def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
+def test_frozen_vllm_mid_stream_is_lost_not_slow(gateway: Gateway, replicas: dict[str, VllmReplica]) -> None:
+    """The stall, made deterministic: the whole engine frozen (SIGSTOP) after the first delta. The gateway
+    has static replicas (no agent): its probe of /health finds the replica lost and the client gets the
+    terminal frame within a bounded time."""
+    poll(lambda: any(r.healthy() for r in replicas.values()), timeout=90, what="a healthy replica")
+    frozen: list[VllmReplica] = []
+    frozen_at: list[float] = []
+
+    def freeze_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
+        if not frozen and chunk_has_content(chunk):
+            served = replica_of(gateway, so_far.request_id, replicas)
+            assert served is not None
+            served.signal_group(signal.SIGSTOP)
+            frozen.append(served)
+            frozen_at.append(time.monotonic())
+        return False
+
+    try:
+        result = stream_chat(gateway.url, max_tokens=1000, on_chunk=freeze_after_first_delta, read_timeout=60)
+        ended_after = time.monotonic() - frozen_at[0]
+    finally:
+        for replica in frozen:
+            replica.signal_group(signal.SIGCONT)
+    assert frozen, "the stream never delivered content"
+    assert_one_attempt_content(result)
+    frames = result.error_frames()
+    assert len(frames) == 1 and frames[0]["code"] == "upstream_decode_interrupted", result.payloads()[-3:]
+    assert "health check" in frames[0]["message"]
+    assert result.payloads()[-1] == "[DONE]"
+    assert ended_after < 15, f"the terminal frame came {ended_after:.1f}s after the freeze"
+    journal = terminal_journal(gateway, result.request_id, timeout=30)
+    assert journal["phase"] == "interrupted" and len(journal["attempts"]) == 1, journal
+    assert journal["delivered_output_tokens"] == frames[0]["delivered_output_tokens"]
+    print(f"\nreal_engine: frozen vLLM mid-stream -> terminal frame {ended_after:.1f}s after the freeze")
+
+
+def test_api_server_sigterm_mid_stream_never_leaves_the_client_waiting(
     gateway: Gateway, replicas: dict[str, VllmReplica]
 ) -> None:
-    """REAL_ENGINE.md: after SIGTERM vLLM either sends `finish_reason: "abort"` then [DONE], or stalls.
+    """REAL_ENGINE.md: after SIGTERM vLLM drains, or sends `finish_reason: "abort"` then [DONE], or stalls
+    (the engine is gone, uvicorn "waits for connections to close").
 
-    Abort: the gateway must turn it into exactly one terminal frame (an abort is an interruption). Stall:
-    the client leaves at its read timeout. Both: content from one attempt only, no second attempt.
+    Drain: one complete answer. Abort: exactly one terminal frame (an abort is an interruption). Stall: the
+    replica stops answering its health check, so the sidecar's probe of static replicas finds it lost, and
+    the client gets the terminal frame within a bounded time instead of waiting for its own read timeout.
+    Every way: content from one attempt, no second attempt.
     """
     poll(lambda: any(r.healthy() for r in replicas.values()), timeout=90, what="a healthy replica")
     termed: list[VllmReplica] = []
+    termed_at: list[float] = []
 
     def term_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
         if not termed and chunk_has_content(chunk):
@@ -426,6 +466,7 @@ def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
             assert served is not None
             served.terminate_api_server()
             termed.append(served)
+            termed_at.append(time.monotonic())
         return False
 
     result = stream_chat(
@@ -433,8 +474,9 @@ def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
         max_tokens=1000,
         on_chunk=term_after_first_delta,
         stream_options=CONTINUOUS_USAGE,
-        read_timeout=15,
+        read_timeout=60,
     )
+    ended_after = time.monotonic() - termed_at[0] if termed_at else None
     assert termed, "the stream never delivered content"
     assert_one_attempt_content(result)
     frames = result.error_frames()
@@ -443,12 +485,17 @@ def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
     journal = terminal_journal(gateway, result.request_id, timeout=30)
     assert len(journal["attempts"]) == 1, journal
     reasons = result.finish_reasons()
-    if frames:  # vLLM sent finish_reason "abort": the gateway ended the stream with one terminal frame
+    assert not isinstance(result.error, TimeoutError | httpx.ReadTimeout), "the client was left waiting"
+    if frames:  # abort, or a stall the health probe caught: one terminal frame, then [DONE]
         assert "length" not in reasons
         assert frames[0]["code"] == "upstream_decode_interrupted"
         assert result.payloads()[-1] == "[DONE]"
         assert journal["phase"] == "interrupted"
-        behaviour = "abort -> terminal frame"
+        stalled = "abort" not in reasons
+        behaviour = "stall -> health probe -> terminal frame" if stalled else "abort -> terminal frame"
+        assert ended_after is not None and ended_after < 20, (
+            f"the frame came {ended_after:.1f}s after SIGTERM"
+        )
     elif result.error is None:
         # Graceful drain (measured, not in REAL_ENGINE.md's table): uvicorn waits for open connections, so
         # the in-flight generation runs to its end: one complete answer, which is honest.
@@ -456,11 +503,12 @@ def test_api_server_sigterm_mid_stream_ends_with_one_terminal_frame_or_stalls(
         assert reasons == ["length"] and result.payloads()[-1] == "[DONE]"
         assert journal["phase"] == "completed", journal
         behaviour = "graceful drain -> complete answer"
-    else:  # the documented stall (client leaves at its read timeout), or the dying server's reset
+    else:  # the dying server's reset: prefix, then a reset (no proxy can add an event to a reset stream)
         assert "abort" not in reasons, "vLLM's abort reached the client without a terminal frame"
         assert result.done_count() == 0
-        assert journal["phase"] in ("interrupted", "cancelled"), journal
-        behaviour = f"stall/reset ({type(result.error).__name__}) -> {journal['phase']}"
+        assert journal["phase"] == "interrupted", journal
+        behaviour = f"reset ({type(result.error).__name__}) -> interrupted"
+    behaviour += f", {ended_after:.1f}s after SIGTERM" if ended_after is not None else ""
     print(f"\nreal_engine: SIGTERM mid-stream behaviour: {behaviour}")
     for replica in termed:
         replica.stop()
