@@ -14,9 +14,10 @@ and the registry's own etcd traffic, which is not what this soak measures).
 Every finished request is checked like a fuzz trial checks it: its evidence (client bytes, journal record
 read with the client's credential, the replicas' log records) goes through `tests.invariants.check_request`,
 whose reset tolerances cover the streams a kill cuts after their first delta. Every 10 s it samples the
-sidecar's and Envoy's RSS, etcd's keys under /router-sidecar/ (by prefix; with aetcd, keys only), etcd's
-leases and DB size, and requests completed per second. The policy sets `journal.retention_seconds` to
-`--retention-seconds` (120 by default) so that a 10-minute run shows whether the journal stays bounded.
+sidecar's and Envoy's RSS, etcd's keys under /router-sidecar/ (by prefix, counted by etcd itself over its
+JSON gateway), etcd's leases and DB size, requests completed per second, and CPU per process. The policy
+sets `journal.retention_seconds` to `--retention-seconds` (120 by default, not the product's 86400) so
+that a 10-minute run shows whether the journal stays bounded.
 
     .venv/bin/python bench/soak.py [--minutes 10] [--streams 200] [--kill-every 30] [--tokens 40]
         [--token-interval-ms 20] [--seed N] [--work DIR]
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import bisect
-import contextlib
 import itertools
 import json
 import math
@@ -216,6 +217,7 @@ class Results:
     touched: int = 0  # streams whose lifetime overlapped a kill window
     checked: int = 0
     testbed_errors: list[str] = field(default_factory=list)
+    testbed_notes: list[str] = field(default_factory=list)  # hiccups of the testbed it recovered from
 
 
 @dataclass
@@ -296,6 +298,10 @@ class Load:
             self.shared.in_flight += 1
             try:
                 outcome = await send_request(client, self.url, sent, authorization=AUTH)
+            except Exception as exc:  # send_request records transport errors; anything else is ours
+                self.shared.results.testbed_errors.append(f"client of {rid}: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(1)
+                continue
             finally:
                 self.shared.in_flight -= 1
             self.shared.ended.append(time.time())
@@ -313,6 +319,11 @@ class Load:
     async def _checker(self) -> None:
         running: set[asyncio.Task[None]] = set()
         slots = asyncio.Semaphore(CHECK_CONCURRENCY)
+
+        def done(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            slots.release()
+
         while self._sending or self._queue:
             if len(self._queue) < CHECK_BATCH and self._sending:
                 await asyncio.sleep(0.5)
@@ -323,7 +334,7 @@ class Load:
             await slots.acquire()
             task = asyncio.create_task(self._check(batch))
             running.add(task)
-            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            task.add_done_callback(done)
         if running:
             await asyncio.gather(*running)
 
@@ -350,21 +361,28 @@ class Load:
         for ev in evidence:
             await asyncio.sleep(0)  # one request's checks at a time: the clients' reads are on this loop too
             marks = arrivals.pop(ev.request_id, [])
-            results.checked += 1
-            kind = outcome_kind(ev)
-            if kind == "reset" and ev.client.transport_error:
-                kind = f"reset ({ev.client.transport_error.split(':')[0]})"
-            results.outcomes[kind] += 1
-            if ev.journal is not None and ev.journal_status == 200:
-                results.attempts[len(ev.journal.get("attempts") or [])] += 1
-            found = check_request(ev)
-            if found:
-                self._record_violations(ev, found)
-            touched = any(w.touches(ev.client.started_at, ev.client.ended_at) for w in self.shared.kills)
-            results.touched += touched
-            if kind == "complete" and not touched:
-                results.gaps.update(round(g * 10) for g in content_gaps_ms(ev.client.body, marks))
-                results.gap_streams += 1
+            try:
+                self._account(ev, marks)
+            except Exception as exc:
+                results.testbed_errors.append(f"check of {ev.request_id}: {type(exc).__name__}: {exc}")
+
+    def _account(self, ev: Evidence, marks: Sequence[tuple[float, int]]) -> None:
+        results = self.shared.results
+        results.checked += 1
+        kind = outcome_kind(ev)
+        if kind == "reset" and ev.client.transport_error:
+            kind = f"reset ({ev.client.transport_error.split(':')[0]})"
+        results.outcomes[kind] += 1
+        if ev.journal is not None and ev.journal_status == 200:
+            results.attempts[len(ev.journal.get("attempts") or [])] += 1
+        found = check_request(ev)
+        if found:
+            self._record_violations(ev, found)
+        touched = any(w.touches(ev.client.started_at, ev.client.ended_at) for w in self.shared.kills)
+        results.touched += touched
+        if kind == "complete" and not touched:
+            results.gaps.update(round(g * 10) for g in content_gaps_ms(ev.client.body, marks))
+            results.gap_streams += 1
 
     def _record_violations(self, ev: Evidence, found: list[Violation]) -> None:
         results = self.shared.results
@@ -393,6 +411,7 @@ class Sample:
     etcd_keys: dict[str, int] | None  # total, requests, attempts, tools, other
     leases: int | None
     db_mb: float | None
+    db_in_use_mb: float | None
     lag_ms: float
     backlog: int
     checked: int
@@ -476,43 +495,67 @@ class CpuMeter:
 
 
 class EtcdCounter:
-    """Key counts under /router-sidecar/ by prefix, leases and DB size, straight from etcd with aetcd."""
+    """Key counts under /router-sidecar/ by prefix, leases and DB size, from etcd's JSON gateway.
+
+    Not with aetcd: this process forks the replicas it restarts, and a live gRPC channel in a forking
+    process made a restarted replica abort between fork and exec (grpc's epoll poller: "Bad file
+    descriptor"). tests/fault/fuzz.py reads etcd the same way, for the same reason."""
 
     def __init__(self, endpoint: str) -> None:
-        import aetcd
+        self._url = f"http://{endpoint}"
+        self._http = httpx.AsyncClient(timeout=5)
 
-        host, _, port = endpoint.rpartition(":")
-        self._client = aetcd.Client(host=host, port=int(port), timeout=5)
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            response = await self._http.post(self._url + path, json=body)
+            answer = response.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return answer if response.status_code == 200 and isinstance(answer, dict) else None
+
+    async def count(self, prefix: str, revision: str | None = None) -> tuple[int, str] | None:
+        """(keys under `prefix`, the revision counted at); at `revision` when given."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
+        if revision is not None:
+            body["revision"] = revision
+        answer = await self._post("/v3/kv/range", body)
+        if answer is None:
+            return None
+        # int64s are strings in etcd's JSON; a zero count is left out
+        return int(answer.get("count", 0)), str(answer.get("header", {}).get("revision", ""))
 
     async def keys(self) -> dict[str, int] | None:
-        try:
-            found = await asyncio.wait_for(self._client.get_prefix(f"{PREFIX}/".encode(), keys_only=True), 10)
-        except Exception:
+        """Keys under /router-sidecar/ and under each of ETCD_PREFIXES, all counted at one revision."""
+        total = await self.count(f"{PREFIX}/")
+        if total is None:
             return None
-        counts = dict.fromkeys(("total", *ETCD_PREFIXES, "other"), 0)
-        for kv in found.kvs:
-            part = kv.key[len(PREFIX) + 1 :].split(b"/", 1)[0].decode(errors="replace")
-            counts[part if part in ETCD_PREFIXES else "other"] += 1
-            counts["total"] += 1
-        return counts
+        out = {"total": total[0]}
+        for part in ETCD_PREFIXES:
+            found = await self.count(f"{PREFIX}/{part}/", total[1] or None)
+            if found is None:
+                return None
+            out[part] = found[0]
+        out["other"] = out["total"] - sum(out[p] for p in ETCD_PREFIXES)
+        return out
 
-    async def leases_and_db(self) -> tuple[int | None, float | None]:
-        from aetcd import rpc
-
-        leases: int | None = None
-        db: float | None = None
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.connect(), 5)
-            reply = await self._client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=5)
-            leases = len(reply.leases)
-        with contextlib.suppress(Exception):
-            status = await asyncio.wait_for(self._client.status(), 5)
-            db = status.db_size / (1 << 20)
-        return leases, db
+    async def leases_and_db(self) -> tuple[int | None, float | None, float | None]:
+        """(leases, DB size MB, DB size in use MB)."""
+        leases = await self._post("/v3/lease/leases", {})
+        status = await self._post("/v3/maintenance/status", {})
+        mb = 1 << 20
+        return (
+            None if leases is None else len(leases.get("leases") or []),
+            None if status is None else int(status.get("dbSize", 0)) / mb,
+            None if status is None or "dbSizeInUse" not in status else int(status["dbSizeInUse"]) / mb,
+        )
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.close(), 2)
+        await self._http.aclose()
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 class Soak:
@@ -630,7 +673,7 @@ class Soak:
                     down = None
                 if now >= next_kill:
                     next_kill += args.kill_every
-                    if down is None:
+                    if down is None and now + args.down_seconds < end:  # no kill it cannot see through
                         down = self._kill(self.sims[next(victims)], now)
                 if now >= next_sample:
                     next_sample += SAMPLE_EVERY
@@ -669,9 +712,9 @@ class Soak:
                 sim.ensure_running()  # same port: `Sim.start` listens on the endpoint it had
                 break
             except Exception as exc:
-                self.shared.results.testbed_errors.append(f"restart of replica {sim.name}: {exc}"[:300])
                 if attempt == 2:
                     raise
+                self.shared.results.testbed_notes.append(f"restart of replica {sim.name}: {exc}"[:300])
                 time.sleep(1)  # e.g. the port still held by the dead process's sockets; once more
         window.back_at = time.time()
         assert sim.child is not None
@@ -683,7 +726,7 @@ class Soak:
     async def _sample(self, counter: EtcdCounter, last_completed: int, last_t: float) -> None:
         now = time.monotonic()
         keys = await counter.keys()
-        leases, db = await counter.leases_and_db()
+        leases, db, db_in_use = await counter.leases_and_db()
         envoy = self.envoy_pid()
         results = self.shared.results
         cpu = self.cpu.read(self._roles(envoy))
@@ -698,6 +741,7 @@ class Soak:
             etcd_keys=keys,
             leases=leases,
             db_mb=db,
+            db_in_use_mb=db_in_use,
             lag_ms=self.shared.lag_max * 1000,
             backlog=self.shared.backlog,
             checked=results.checked,
@@ -767,6 +811,9 @@ class Soak:
         out += self._etcd_report()
         out += self._gaps_report()
         out += self._cpu_report()
+        if results.testbed_notes:
+            out.append(f"\ntestbed hiccups, recovered ({len(results.testbed_notes)}):")
+            out += [f"  {e}"[:500] for e in results.testbed_notes[:10]]
         if results.testbed_errors:
             out.append(f"\ntestbed errors ({len(results.testbed_errors)}):")
             out += [f"  {e}"[:500] for e in results.testbed_errors[:10]]
@@ -797,7 +844,7 @@ class Soak:
             out.append(f"  every violating request's evidence: {self.run_dir / 'violations.jsonl'}")
         out.append(f"gateway after the soak (invariant 10): {self.probe_note or 'no probe request'}")
         out += [f"  VIOLATION {v}"[:1500] for v in self.probe_violations]
-        if not self.probe_violations:
+        if self.probe_note and not self.probe_violations:
             out.append(
                 f"  sidecar alive, Envoy pid unchanged ({self.envoy_pid_at_start}), normal request complete"
             )
@@ -826,6 +873,10 @@ class Soak:
         out.append("  leases    " + " ".join(_num(s.leases) for s in self.samples))
         out.append(
             "  db MB     " + " ".join("?" if s.db_mb is None else f"{s.db_mb:.1f}" for s in self.samples)
+        )
+        out.append(
+            "  in use MB "
+            + " ".join("?" if s.db_in_use_mb is None else f"{s.db_in_use_mb:.1f}" for s in self.samples)
         )
         out.append("  done/s    " + " ".join(f"{s.done_per_s:.0f}" for s in self.samples))
         sized = [s for s in self.samples if s.db_mb is not None]

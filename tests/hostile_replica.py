@@ -83,6 +83,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from router_sidecar.testbed.sim.server import BadRequest, Connection
+
 if TYPE_CHECKING:
     from router_sidecar.runtime.supervise import Child
 
@@ -366,12 +368,6 @@ class ClientGone(Exception):
     """The peer (Envoy) closed or reset the connection while a response was being written."""
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class Incomplete(Exception):
     def __init__(self, head: bytes) -> None:
         super().__init__("request cut off")
@@ -405,59 +401,13 @@ class Request:
         return out
 
 
-class Conn:
-    """One connection. A pump task reads into a buffer, so the peer leaving is seen at once."""
+class Conn(Connection):
+    """One connection, read like the simulator's (a pump task, so the peer leaving is seen at once); this
+    replica keeps duplicate headers and counts what it wrote."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.buf = bytearray()
-        self.eof = asyncio.Event()
-        self.gone_at: float | None = None
+        super().__init__(reader, writer)
         self.written = 0
-        self._data = asyncio.Event()
-        self._pump_task = asyncio.create_task(self._pump())
-
-    async def _pump(self) -> None:
-        try:
-            while True:
-                data = await self.reader.read(65536)
-                if not data:
-                    break
-                self.buf += data
-                self._data.set()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            self.gone_at = time.time()
-            self.eof.set()
-            self._data.set()
-
-    async def _more(self) -> None:
-        if self.eof.is_set():
-            raise EOFError
-        self._data.clear()
-        await self._data.wait()
-
-    async def read_until(self, sep: bytes, limit: int) -> bytes:
-        start = 0
-        while True:
-            idx = self.buf.find(sep, start)
-            if idx >= 0:
-                out = bytes(self.buf[: idx + len(sep)])
-                del self.buf[: idx + len(sep)]
-                return out
-            if len(self.buf) > limit:
-                raise BadRequest(431, "request head too large")
-            start = max(0, len(self.buf) - len(sep) + 1)
-            await self._more()
-
-    async def read_exact(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            await self._more()
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        return out
 
     async def read_request(self) -> Request | None:
         """The next request; None when the peer closed between requests; Incomplete when cut off."""
