@@ -90,6 +90,9 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                 k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
             }
             body = await reader.readexactly(int(headers.get("content-length", "0")))
+            if method == "GET" and path == "/health":  # the gateway health-checks its static replicas
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                continue
             if method != "POST" or path.partition("?")[0] != "/v1/chat/completions":
                 writer.write(_error(b"404 Not Found", f"no route {method} {path}"))
                 continue
