@@ -266,11 +266,6 @@ class Attempt:
         self._answered = False
         self._settling = False  # its lease is being released on a closed connection
 
-    @property
-    def outcome(self) -> str:
-        """The journal's word for this attempt (the request relabels a publisher that did not finish)."""
-        return self.state.value
-
     def handle(self, event: Input) -> list[Decision]:
         handler = TRANSITIONS.get((self.state, type(event)))
         if handler is None:

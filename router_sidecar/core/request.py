@@ -455,9 +455,12 @@ class LogicalRequest:
             self._emit(EventName.CLIENT_DISCONNECTED, delivered_output_tokens=delivered)
             self._finish(Phase.CANCELLED, Outcome.CLIENT_DISCONNECTED)
             return
-        # Headers we passed may still have been replaced by Envoy's own answer (a reset right after them).
-        started = self._response.status is not None and e.client_status in (None, self._response.status)
-        if not started and self.phase is Phase.PREFILL:
+        # Headers (and chunks) we passed may still have been replaced by Envoy's own answer: a reset right
+        # after them, before Envoy had written them out. Then nothing we passed reached the client.
+        replaced = e.client_status is not None and e.client_status != self._response.status
+        if replaced or (self._response.status is None and self.phase is Phase.PREFILL):
+            self._response.content_events, self._response.usage_tokens = 0, None
+            delivered = 0
             # Nothing went out: Envoy answered the client itself (or nobody could) before any attempt's
             # headers reached it — e.g. a replica's protocol error while the release was on its way.
             last = self.gate.attempts[-1] if self.gate.attempts else None

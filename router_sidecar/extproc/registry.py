@@ -21,6 +21,7 @@ from router_sidecar.core.request import DownstreamLoss, LogicalRequest
 class Live:
     request: LogicalRequest
     loss_cause: DownstreamLoss | None = None
+    admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one attempt admitted at a time
     client_status: int | None = None  # the status Envoy sent the client (its access log)
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.

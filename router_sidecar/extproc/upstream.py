@@ -66,13 +66,16 @@ class UpstreamStream:
             return
         request = live.request
         replica = str(attrs.get("upstream.address") or "unknown")
-        if not await self._admit(context, request):
-            return
-        # The lease first: an attempt on record always has one (Envoy may cancel this stream meanwhile).
-        attempt_id = new_attempt_id()
-        lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
-        attempt = self._attempt = request.gate.begin(attempt_id, replica)
-        attempt.lease = lease
+        # One admission at a time per request: Envoy may start the next attempt while this stream still
+        # waits for etcd, and that one must see this attempt (and supersede it) rather than run beside it.
+        async with live.admission:
+            if not await self._admit(context, request):
+                return
+            # The lease first: an attempt on record always has one (Envoy may cancel this stream meanwhile).
+            attempt_id = new_attempt_id()
+            lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
+            attempt = self._attempt = request.gate.begin(attempt_id, replica)
+            attempt.lease = lease
         self._journal.update(request)
         lease_header = f"{attempt.lease.lease.id:x}" if attempt.lease.lease else ""
         await context.write(

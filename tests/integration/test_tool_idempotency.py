@@ -86,13 +86,18 @@ def call_tool(
     key: str | None,
     body: dict[str, Any],
     path: str = "/tools/payments/charge",
+    method: str = "POST",
     **headers: str,
 ) -> httpx.Response:
     all_headers = {"content-type": "application/json", **headers}
     if key is not None:
         all_headers["idempotency-key"] = key
-    return httpx.post(
-        f"{gateway.url}{path}", content=json.dumps(body), headers=with_credential(all_headers), timeout=15
+    return httpx.request(
+        method,
+        f"{gateway.url}{path}",
+        content=json.dumps(body),
+        headers=with_credential(all_headers),
+        timeout=15,
     )
 
 
@@ -213,6 +218,45 @@ def test_a_key_reused_with_another_body_is_rejected(gateway: Gateway, toolsvc: T
     assert len(executions(toolsvc, key)) == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "method"),
+    [
+        ("/tools/payments/refund", "POST"),  # another action on the same tool
+        ("/tools/payments/charge?currency=eur", "POST"),  # another query string
+        ("/tools/payments/charge", "PUT"),  # another method
+    ],
+)
+def test_a_key_names_one_whole_call(
+    gateway: Gateway, toolsvc: ToolSvcProcess, path: str, method: str
+) -> None:
+    key = f"bound:{method}:{abs(hash(path))}"
+    charge = call_tool(gateway, key, {"amount": 9})
+    assert charge.status_code == 200
+    other = call_tool(gateway, key, {"amount": 9}, path=path, method=method)
+    assert other.status_code == 422, other.text
+    error = other.json()["error"]
+    assert error["code"] == "idempotency_key_reused" and "POST /tools/payments/charge" in error["message"]
+    assert "x-idempotent-replay" not in other.headers  # never the charge's answer for another call
+    assert [e["path"] for e in executions(toolsvc, key)] == ["/tools/payments/charge"]
+
+
+def test_callers_without_a_credential_are_refused_on_tools_and_look_ups(
+    gateway: Gateway, toolsvc: ToolSvcProcess
+) -> None:
+    key = "anonymous:call_01"
+    response = httpx.post(
+        f"{gateway.url}/tools/payments/charge",
+        json={"amount": 1},
+        headers={"idempotency-key": key},
+        timeout=15,
+    )
+    assert response.status_code == 401 and response.json()["error"]["code"] == "authentication_required"
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert executions(toolsvc, key) == []
+    lookup = httpx.get(f"{gateway.url}/v1/requests/req_anything", timeout=10)
+    assert lookup.status_code == 401 and lookup.json()["error"]["code"] == "authentication_required"
+
+
 def test_a_tool_call_without_a_key_is_refused(gateway: Gateway, toolsvc: ToolSvcProcess) -> None:
     before = len(read_executions(toolsvc.log_path or ""))
     response = call_tool(gateway, None, {"amount": 6})
@@ -232,3 +276,37 @@ def test_records_expire_after_the_retention_period(gateway: Gateway, toolsvc: To
     poll(executed_again, timeout=RETENTION_SECONDS * 3 + 5, what="the record to expire")
     assert time.monotonic() - started >= RETENTION_SECONDS
     assert len(executions(toolsvc, key)) == 2
+
+
+WAITING_POLICY = """
+deadlines:
+  request_seconds: 30
+tools:
+  call_timeout_seconds: 20
+  in_progress_wait_seconds: 8
+"""
+
+
+def test_a_duplicate_waits_for_a_slow_call_longer_than_five_seconds(
+    etcd: str, toolsvc: ToolSvcProcess, tmp_path: Path
+) -> None:
+    # The wait happens inside Envoy's admission message timeout, which the gateway derives from the policy
+    # (it was fixed at 5 s: the duplicate got an empty 504).
+    config = tmp_path / "policy.yaml"
+    config.write_text(WAITING_POLICY)
+    gateway = Gateway(
+        replicas=[], etcd=etcd, work=tmp_path, config=config, tools=(f"payments={toolsvc.address}",)
+    )
+    try:
+        key = "slow:call_01"
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(call_tool, gateway, key, {"amount": 11}, **{"x-tool-fault": "delay=6"})
+            poll(lambda: executions(toolsvc, key), what="the first call to execute")
+            duplicate = call_tool(gateway, key, {"amount": 11})
+            original = first.result(timeout=30)
+        assert original.status_code == 200
+        assert duplicate.status_code == 200, duplicate.text
+        assert duplicate.headers["x-idempotent-replay"] == "true" and duplicate.json() == original.json()
+        assert len(executions(toolsvc, key)) == 1
+    finally:
+        gateway.stop()

@@ -1044,7 +1044,7 @@ def test_released_attempt_superseded_before_its_release_reached_the_router() -> 
     decisions = first.handle(Superseded())
     failure = decisions[0]
     assert isinstance(failure, Failed) and decisions[1:] == [SettleLease("connection_closed")]
-    assert (first.outcome, first.failure) == ("failed", FailureReason.LOST_BEFORE_RELEASE)
+    assert (first.state, first.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
     assert request.first_delta_sent is False
     assert request.publisher is None
     assert request.phase is Phase.PREFILL
@@ -1089,7 +1089,7 @@ def test_unreported_attempt_is_marked_lost_when_the_next_begins() -> None:
         Failed(FailureReason.CONNECTION_LOST),
         SettleLease("connection_closed"),
     ]
-    assert first.outcome == "failed"
+    assert first.state is AttemptState.FAILED
     assert request.first_delta_sent is False
 
 
