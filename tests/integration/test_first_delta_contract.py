@@ -179,13 +179,20 @@ def test_a_write_ahead_release_that_loses_the_race_is_retried(gateway: Gateway, 
     )
     journal = finished(gateway, result.request_id)
     no_overlapping_content(result)
-    if result.transport_error is None:
+    if result.transport_error is None and result.status != 200:
+        # The reset reached Envoy between our release and its first write to the client: Envoy answered
+        # the client itself (a reset after the response started is not retried), as one JSON error.
+        assert result.status == 502 and result.headers["content-type"] == "application/json"
+        assert json.loads(result.body)["error"]["request_id"] == result.request_id
+        assert (journal["phase"], journal["first_delta_sent"], journal["attempt"]) == ("failed", False, 1)
+    elif result.transport_error is None:
         assert_complete_answer(result, 4)
         assert journal["phase"] == "completed" and journal["attempt"] == 2
         assert journal["attempts"][0]["detail"] in ("lost_before_release", "connection_lost")
-    else:  # the release won the race: the client has the first delta, then a reset; never a retry
+    else:  # the release won the race: the first delta went out, then a reset; never a retry
         assert journal["phase"] == "interrupted" and journal["attempt"] == 1
-        assert journal["delivered_output_tokens"] == len(result.content_chunks()) == 1
+        # Delivered = written towards the client; the reset may drop it before the client reads it.
+        assert len(result.content_chunks()) <= journal["delivered_output_tokens"] == 1
 
 
 # --- after the first delta: never a retry -----------------------------------------------------------------

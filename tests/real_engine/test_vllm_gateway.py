@@ -373,14 +373,25 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
                     replica.signal_group(signal.SIGCONT)
         return False
 
-    result = stream_chat(
-        gateway.url,
-        max_tokens=1000,
-        on_chunk=kill_after_first_delta,
-        stream_options=CONTINUOUS_USAGE,
-        read_timeout=30,
-    )
-    assert killed, "the stream never delivered content"
+    # The scenario needs the kill to land mid-generation. A client starved of CPU (a busy machine) may read
+    # its first delta only after vLLM generated all 1000 tokens: then the answer is simply complete (and
+    # journaled so). That is not this test's case, so it is run again, a bounded number of times.
+    for _ in range(3):
+        killed.clear()
+        result = stream_chat(
+            gateway.url,
+            max_tokens=1000,
+            on_chunk=kill_after_first_delta,
+            stream_options=CONTINUOUS_USAGE,
+            read_timeout=30,
+        )
+        assert killed, "the stream never delivered content"
+        if "length" not in result.finish_reasons():
+            break
+        assert terminal_journal(gateway, result.request_id)["phase"] == "completed"
+        print("\nreal_engine: the whole answer arrived before the kill landed; running the scenario again")
+        killed[0].stop()
+        killed[0].start()
     assert result.status == 200 and result.request_id
     assert_one_attempt_content(result)
     content = result.content_payloads()
@@ -402,9 +413,10 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
     client_tokens = result.last_usage_tokens()
     assert client_tokens is not None and client_tokens >= 1
     assert journal["delivered_output_tokens_source"] == "usage"
-    assert journal["delivered_output_tokens"] == client_tokens, (journal, client_tokens)
-    if frames and "delivered_output_tokens" in frames[0]:
-        assert frames[0]["delivered_output_tokens"] == client_tokens
+    if frames:  # a clean end: exactly what the client got
+        assert journal["delivered_output_tokens"] == client_tokens == frames[0]["delivered_output_tokens"]
+    else:  # a reset: what was in flight was delivered (written towards the client) but never read
+        assert journal["delivered_output_tokens"] >= client_tokens, (journal, client_tokens)
     killed[0].stop()
     killed[0].start(wait=False)
 
