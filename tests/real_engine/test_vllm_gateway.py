@@ -434,21 +434,45 @@ def test_frozen_vllm_mid_stream_is_lost_not_slow(
 
     def freeze_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
         if not frozen and chunk_has_content(chunk):
+            # Freeze every replica at once (no further token while we find out which one serves us), then
+            # let the idle one go on.
+            for replica in replicas.values():
+                replica.signal_group(signal.SIGSTOP)
+            frozen_at.append(time.monotonic())
             served = replica_of(gateway, so_far.request_id, replicas)
             assert served is not None
-            served.signal_group(signal.SIGSTOP)
             frozen.append(served)
-            frozen_at.append(time.monotonic())
+            for replica in replicas.values():
+                if replica is not served:
+                    replica.signal_group(signal.SIGCONT)
         return False
 
-    try:
-        result = stream_chat(gateway.url, max_tokens=1000, on_chunk=freeze_after_first_delta, read_timeout=60)
-        ended_after = time.monotonic() - frozen_at[0]
-    finally:
+    def thaw_and_restart() -> None:
         for replica in frozen:  # a thawed engine may have missed its own internal heartbeats: start afresh
             replica.signal_group(signal.SIGCONT)
             replica.stop()
             replica.start(wait=False)
+
+    # A client starved of CPU (a busy machine) may read its first delta only after vLLM generated the whole
+    # answer: then it is simply complete. That is not this test's case, so it runs again, a bounded number
+    # of times.
+    for _ in range(3):
+        frozen.clear()
+        frozen_at.clear()
+        try:
+            result = stream_chat(
+                gateway.url, max_tokens=1000, on_chunk=freeze_after_first_delta, read_timeout=60
+            )
+            ended_after = time.monotonic() - frozen_at[0]
+        finally:
+            thaw_and_restart()
+        assert frozen, "the stream never delivered content"
+        if result.error_frames() or "length" not in result.finish_reasons():
+            break
+        assert terminal_journal(gateway, result.request_id)["phase"] == "completed"
+        print("\nreal_engine: the whole answer arrived before the freeze landed; running the scenario again")
+        # A replica loading beside the next try would starve the client again: wait for both.
+        poll(lambda: all(r.healthy() for r in replicas.values()), timeout=120, what="both replicas healthy")
     assert frozen, "the stream never delivered content"
     assert_one_attempt_content(result)
     frames = result.error_frames()
