@@ -78,6 +78,10 @@ class Store(Protocol):
         """Keep `lease` alive once; returns its remaining TTL in seconds (≤ 0: it is gone)."""
         ...
 
+    async def check(self) -> None:
+        """Raise StoreUnavailable unless the store answers now (readiness)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -241,6 +245,9 @@ class MemoryStore:
 
     async def refresh_lease(self, lease: Lease) -> int:
         return 0 if lease.id in self.revoked else lease.ttl_seconds
+
+    async def check(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -9,6 +9,7 @@ canonicalises once more here, and a request whose canonical path is one of ours 
     inference  POST /v1/chat/completions, POST /v1/completions      → admitted, held, journaled
     tool call  /tools/NAME/... with a method other than GET/HEAD    → idempotency by key
     look-up    GET /v1/requests/{request_id}                         → answered from the journal
+    health     GET /livez, GET /readyz                               → answered by the sidecar (probes)
     rejected   another method on an inference or look-up path        → 405 with Allow
     pass-through anything else (/v1/models, /v1/embeddings, …)       → forwarded untouched
 """
@@ -21,10 +22,29 @@ from dataclasses import dataclass
 
 from router_sidecar.core.openai_api import RouteKind
 
-__all__ = ["LOOKUP_PREFIX", "TOOLS_PREFIX", "Route", "RouteClass", "canonical_path", "classify", "valid_key"]
+__all__ = [
+    "HEALTH_PATHS",
+    "LOOKUP_PREFIX",
+    "TOOLS_PREFIX",
+    "Probe",
+    "Route",
+    "RouteClass",
+    "canonical_path",
+    "classify",
+    "valid_key",
+]
 
 LOOKUP_PREFIX = "/v1/requests/"
 TOOLS_PREFIX = "/tools/"
+# Probes of the whole gateway (Envoy + sidecar), the Kubernetes convention's names.
+
+
+class Probe(enum.Enum):
+    LIVE = "live"  # Envoy and the sidecar answer
+    READY = "ready"  # ... and etcd answers: without it no attempt can be journaled or fenced
+
+
+HEALTH_PATHS = {"/livez": Probe.LIVE, "/readyz": Probe.READY}
 _INFERENCE = {"/v1/chat/completions": RouteKind.CHAT, "/v1/completions": RouteKind.COMPLETIONS}
 # Request ids and idempotency keys: what may appear in an etcd key segment and a header value.
 _KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
@@ -35,6 +55,7 @@ class RouteClass(enum.Enum):
     INFERENCE = "inference"
     TOOL_CALL = "tool_call"
     LOOKUP = "lookup"
+    HEALTH = "health"
     REJECTED = "rejected"
     PASS_THROUGH = "pass_through"
 
@@ -46,6 +67,7 @@ class Route:
     rewrite_path: str | None = None
     api: RouteKind | None = None  # inference: which API
     request_id: str | None = None  # look-up: the id asked for (None: not a valid id → 404)
+    probe: Probe | None = None  # health: which probe
     status: int = 0  # rejected: the answer
     code: str = ""
     message: str = ""
@@ -87,6 +109,11 @@ def classify(method: str, raw_path: str) -> Route:
             return _method_not_allowed(canonical, "GET")
         request_id = canonical[len(LOOKUP_PREFIX) :]
         return Route(RouteClass.LOOKUP, request_id=request_id if valid_key(request_id) else None)
+    probe = HEALTH_PATHS.get(canonical)
+    if probe is not None:
+        if method not in ("GET", "HEAD"):
+            return _method_not_allowed(canonical, "GET, HEAD")
+        return Route(RouteClass.HEALTH, probe=probe)
     if canonical.startswith(TOOLS_PREFIX) and method not in ("GET", "HEAD"):
         return Route(RouteClass.TOOL_CALL, rewrite)
     return Route(RouteClass.PASS_THROUGH, rewrite if canonical.startswith(TOOLS_PREFIX) else None)

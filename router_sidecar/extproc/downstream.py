@@ -27,7 +27,7 @@ from router_sidecar.core import request as r
 from router_sidecar.core import views
 from router_sidecar.core.attempt import FailRequest
 from router_sidecar.core.openai_api import RequestRejected
-from router_sidecar.core.routes import LOOKUP_PREFIX, Route, RouteClass, classify, valid_key
+from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.discovery import choose_pin, pin_metadata, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
@@ -43,6 +43,8 @@ INTERNAL_HEADERS = frozenset({"x-attempt-id", "x-fencing-token", "x-sim-replica"
 INFERENCE_STRIPPED = frozenset({"accept-encoding"})
 # How long a torn-down stream waits for Envoy's access-log entry that says who tore it down.
 ACCESS_LOG_WAIT_SECONDS = 1.0
+# The readiness probe waits this long for etcd (kubelet probes time out after 1 s by default).
+READY_PROBE_TIMEOUT_SECONDS = 0.8
 ANONYMOUS = "anonymous"
 
 
@@ -431,6 +433,8 @@ class DownstreamStream:
             return PassThrough(), _error(
                 route.status, route.code, route.message, None, headers=(("allow", route.allow),)
             )
+        if route.route_class is RouteClass.HEALTH:
+            return PassThrough(), await self._probe(route.probe)
         if route.route_class is RouteClass.LOOKUP:
             if anonymous_refused:
                 return PassThrough(), _authentication_required("journal look-ups")
@@ -484,6 +488,16 @@ class DownstreamStream:
         strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
         return Inference(services, writer, route, request_id, tenant), reply
+
+    async def _probe(self, probe: Probe | None) -> m.ProcessingResponse:
+        """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and
+        (ready) etcd, without which no attempt can be journaled or fenced."""
+        if probe is Probe.READY:
+            try:
+                await asyncio.wait_for(self._services.store.check(), READY_PROBE_TIMEOUT_SECONDS)
+            except (StoreUnavailable, TimeoutError) as exc:
+                return _error(503, "etcd_unreachable", f"not ready: etcd does not answer ({exc})", None)
+        return m.immediate(200, json.dumps({"status": "ok", "gateway": self._services.gateway_id}).encode())
 
     async def _lookup(self, request_id: str | None, tenant: str) -> m.ProcessingResponse:
         not_found = _error(

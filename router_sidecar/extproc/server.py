@@ -100,6 +100,7 @@ class SidecarServer:
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self.services = services = Services(
             policy=policy,
+            store=store,
             registry=self.registry,
             journal=self.journal,
             ledger=ToolLedger(store, policy.tools),

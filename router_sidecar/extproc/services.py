@@ -8,6 +8,7 @@ from router_sidecar.coordination.fencing import AttemptLeases
 from router_sidecar.coordination.journal import Journal
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
+from router_sidecar.coordination.store import Store
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy
 from router_sidecar.extproc.parsing import RequestParser
@@ -17,6 +18,7 @@ from router_sidecar.extproc.registry import Registry
 @dataclass(slots=True)
 class Services:
     policy: Policy
+    store: Store  # etcd: asked directly only by the readiness probe
     registry: Registry  # live logical requests: where the two filter placements meet
     journal: Journal
     ledger: ToolLedger  # tool-call idempotency records

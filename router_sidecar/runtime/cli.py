@@ -1,4 +1,4 @@
-"""`router-sidecar`: gateway, serve, replica, sim, demo."""
+"""`router-sidecar`: gateway, serve, envoy-config, replica, sim, demo."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from router_sidecar.core.policy import PolicyError, load_policy
+from router_sidecar.core.policy import Policy, PolicyError, load_policy
 from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
 
 
@@ -66,6 +66,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     sv.add_argument("--bind", required=True, help="unix:/path/to.sock or 127.0.0.1:PORT (loopback only)")
     sv.add_argument("--etcd", required=True, help="etcd HOST:PORT")
     sv.add_argument("--config", help="policy YAML")
+    sv.add_argument(
+        "--replica",
+        type=_endpoint,
+        action="append",
+        default=[],
+        help="static replica HOST:PORT (repeat; the same list as the Envoy config's); without any, replicas "
+        "are discovered from the etcd registry and served to Envoy over EDS",
+    )
+
+    ec = sub.add_parser(
+        "envoy-config",
+        help="print the gateway's Envoy config, for an Envoy run beside `router-sidecar serve` (Kubernetes)",
+    )
+    ec.add_argument("--listen", type=_endpoint, required=True, help="client-facing HOST:PORT")
+    ec.add_argument("--sidecar-socket", required=True, help="the unix socket `serve --bind unix:PATH` uses")
+    ec.add_argument("--admin-socket", required=True, help="unix socket for Envoy's admin interface")
+    ec.add_argument("--access-log", default="/dev/stdout", help="Envoy's access log file (default stdout)")
+    ec.add_argument(
+        "--replica",
+        type=_endpoint,
+        action="append",
+        default=[],
+        help="static replica HOST:PORT (repeat); without any, Envoy takes replicas from the sidecar (EDS)",
+    )
+    ec.add_argument("--tool", type=_tool, action="append", default=[], help="a tool service NAME=HOST:PORT")
+    ec.add_argument("--config", help="policy YAML (timeouts, retry budget and limits go into Envoy's config)")
+    ec.add_argument("--output", "-o", help="write here instead of stdout")
 
     rp = sub.add_parser("replica", help="register an engine replica in etcd while it is healthy")
     rp.add_argument("--engine", required=True, help="the engine's OpenAI-compatible HOST:PORT")
@@ -116,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PolicyError, OSError) as exc:
         print(f"error: invalid policy {args.config}: {exc}", file=sys.stderr)
         return 2
+    if args.command == "envoy-config":
+        return _envoy_config(args, policy)
     from router_sidecar.runtime.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
 
     try:
@@ -131,12 +160,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tools=tuple(args.tool),
             )
             return _run_async(run_gateway(options))
-        return _run_async(run_sidecar_only(args.bind, args.etcd, policy))
+        return _run_async(run_sidecar_only(args.bind, args.etcd, policy, tuple(args.replica)))
     except (GatewayError, EnvoyNotFound, EnvoyConfigInvalid, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _envoy_config(args: argparse.Namespace, policy: Policy) -> int:
+    from pathlib import Path
+
+    from router_sidecar.runtime.envoy_config import GatewaySpec, render
+
+    text = render(
+        GatewaySpec(
+            listen=args.listen,
+            replicas=tuple(args.replica),
+            sidecar_socket=Path(args.sidecar_socket),
+            access_log_path=Path(args.access_log),
+            admin_socket=Path(args.admin_socket),
+            tools=tuple(args.tool),
+            policy=policy,
+        )
+    )
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 if __name__ == "__main__":

@@ -169,15 +169,27 @@ async def _wait_for_stop(child: Child, stop: asyncio.Event) -> None:
     stopped.cancel()
 
 
-async def run_sidecar_only(bind: str, etcd: str, policy: Policy) -> int:
-    """`router-sidecar serve`: the sidecar alone, for an Envoy configured elsewhere."""
+async def run_sidecar_only(bind: str, etcd: str, policy: Policy, replicas: tuple[Endpoint, ...] = ()) -> int:
+    """`router-sidecar serve`: the sidecar alone, for an Envoy configured elsewhere (`envoy-config`)."""
     store = await connect_store(etcd)
-    server = SidecarServer(bind=bind, policy=policy, store=store, gateway_id=f"{socket.gethostname()}:{bind}")
+    server = SidecarServer(
+        bind=bind,
+        policy=policy,
+        store=store,
+        gateway_id=f"{socket.gethostname()}:{bind}",
+        discovery=not replicas,
+        static_replicas=tuple(map(str, replicas)),
+    )
     try:
         with stop_on_signals() as stop:
             await server.start()
             server.start_background()
-            print(f"ready: sidecar serving ext_proc and access log on {bind}; etcd {etcd}", flush=True)
+            source = ", ".join(map(str, replicas)) if replicas else "the etcd registry (EDS)"
+            print(
+                f"ready: sidecar serving ext_proc, access log and EDS on {bind}; replicas from {source}; "
+                f"etcd {etcd}",
+                flush=True,
+            )
             await stop.wait()
         return 0
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router_sidecar.core.openai_api import RouteKind
-from router_sidecar.core.routes import RouteClass, canonical_path, classify
+from router_sidecar.core.routes import Probe, RouteClass, canonical_path, classify
 
 INFERENCE, TOOL, LOOKUP, REJECTED, PASS = (
     RouteClass.INFERENCE,
@@ -104,3 +104,25 @@ def test_lookup_ids(path: str, request_id: str | None) -> None:
 )
 def test_canonical_path(raw: str, canonical: str) -> None:
     assert canonical_path(raw) == canonical
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "probe"),
+    [
+        ("GET", "/livez", Probe.LIVE),
+        ("HEAD", "/livez", Probe.LIVE),
+        ("GET", "/readyz", Probe.READY),
+        ("GET", "//readyz/", Probe.READY),
+        ("GET", "/ready%7a", Probe.READY),
+        ("GET", "/readyz?verbose=1", Probe.READY),
+    ],
+)
+def test_health_probes(method: str, path: str, probe: Probe) -> None:
+    route = classify(method, path)
+    assert (route.route_class, route.probe) == (RouteClass.HEALTH, probe)
+
+
+def test_health_probes_take_no_writes() -> None:
+    route = classify("POST", "/readyz")
+    assert (route.route_class, route.status, route.allow) == (REJECTED, 405, "GET, HEAD")
+    assert classify("GET", "/readyz/x").route_class is PASS
