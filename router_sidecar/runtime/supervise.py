@@ -46,6 +46,7 @@ class Child:
         *,
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -57,6 +58,7 @@ class Child:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=cwd,
             start_new_session=True,  # own process group: a stop kills helpers it forked too
             preexec_fn=_die_with_parent,
         )
@@ -201,16 +203,22 @@ def start_etcd(
     client_port: int | None = None,
     log_path: Path | None = None,
     also_listen_on: tuple[str, ...] = (),
+    name: str = "router-sidecar-local",
+    peer_port: int | None = None,
+    initial_cluster: str | None = None,
+    wait: bool = True,
 ) -> tuple[Child, str]:
-    """A throw-away single-member etcd on loopback (tests, demo). Returns the child and HOST:PORT.
+    """A throw-away etcd member on loopback (tests, demo); alone unless `initial_cluster` names its peers
+    (NAME=http://HOST:PEER_PORT,...). Returns the child and its client HOST:PORT.
 
-    `also_listen_on`: further local addresses for clients (e.g. a test's own network namespace link)."""
+    `also_listen_on`: further local addresses for clients (e.g. a test's own network namespace link).
+    `wait=False`: return at once (the members of a new cluster only get healthy together)."""
     client_port = client_port or free_port(host)
-    peer_port = free_port(host)
+    peer_port = peer_port or free_port(host)
     argv = [
         find_etcd(),
         "--name",
-        "router-sidecar-local",
+        name,
         "--data-dir",
         str(data_dir),
         "--listen-client-urls",
@@ -222,20 +230,28 @@ def start_etcd(
         "--initial-advertise-peer-urls",
         f"http://{host}:{peer_port}",
         "--initial-cluster",
-        f"router-sidecar-local=http://{host}:{peer_port}",
+        initial_cluster or f"{name}=http://{host}:{peer_port}",
         "--log-level",
         "warn",
     ]
-    child = Child("etcd", argv, log_path=log_path)
+    child = Child(f"etcd-{name}", argv, log_path=log_path)
     endpoint = f"{host}:{client_port}"
+    if wait:
+        wait_etcd_healthy(child, endpoint)
+    return child, endpoint
+
+
+def wait_etcd_healthy(child: Child, endpoint: str, timeout: float = 20.0) -> None:
     try:
         wait_until(
-            lambda: http_ok(f"http://{endpoint}/health"), timeout=20, what=f"etcd on {endpoint}", child=child
+            lambda: http_ok(f"http://{endpoint}/health"),
+            timeout=timeout,
+            what=f"etcd on {endpoint}",
+            child=child,
         )
     except BaseException:
         child.stop()  # never leave a half-started etcd behind
         raise
-    return child, endpoint
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ import httpx
 
 from router_sidecar.coordination.registry_store import replica_key
 from router_sidecar.runtime.supervise import Child, free_port, start_etcd
-from router_sidecar.testbed.sim.faults import parse_fault_spec
+from router_testbed.sim.faults import parse_fault_spec
 from tests.harness import Agent, Gateway, Sim
 from tests.invariants import (
     TERMINAL_PHASES,

@@ -129,7 +129,7 @@ class NsSim(Sim):
             NS,
             PYTHON,
             "-m",
-            "router_sidecar.testbed.sim",
+            "router_testbed.sim",
             "--listen",
             self.endpoint,
             "--name",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from router_sidecar.testbed.demo import SCENARIOS, TOTAL
+from router_testbed.demo import SCENARIOS, TOTAL
 from tests.harness import REPO
 
 pytestmark = pytest.mark.integration

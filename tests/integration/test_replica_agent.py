@@ -33,7 +33,7 @@ TTL = 3
 INTERVAL = 0.5
 PROBE_TIMEOUT = 0.5  # the agent's probe timeout: min(interval, 2 s)
 SLACK = 1.0  # scheduling, process start-up, etcd's lease-expiry check period (500 ms in 3.4)
-# What the simulator (router_sidecar.testbed.sim) reports: model "tiny", vLLM 0.32.0, no adapters.
+# What the simulator (router_testbed.sim) reports: model "tiny", vLLM 0.32.0, no adapters.
 REPLICA = [sys.executable, "-m", "router_sidecar", "replica"]
 SIM_REPORTS = Fingerprint(model_id="tiny", lora_adapters=(), engine_name="vllm", engine_version="0.32.0")
 

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from router_sidecar.core.tool_keys import tool_idempotency_key
-from router_sidecar.testbed.sim import generation as gen
-from router_sidecar.testbed.sim.log import read_log, wait_for
-from router_sidecar.testbed.sim.process import SimProcess, spawn
-from router_sidecar.testbed.sim.toolcall import tool_body
-from router_sidecar.testbed.toolsvc import ToolSvcProcess, spawn_toolsvc
+from router_testbed.sim import generation as gen
+from router_testbed.sim.log import read_log, wait_for
+from router_testbed.sim.process import SimProcess, spawn
+from router_testbed.sim.toolcall import tool_body
+from router_testbed.toolsvc import ToolSvcProcess, spawn_toolsvc
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from router_sidecar.runtime.supervise import free_port
-from router_sidecar.testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
+from router_testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
 from tests.harness import Gateway, Sim, chat, poll, post, with_credential
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router_sidecar.testbed.sim.log import read_log, wait_for
-from router_sidecar.testbed.toolsvc import (
+from router_testbed.sim.log import read_log, wait_for
+from router_testbed.toolsvc import (
     ToolFault,
     ToolSvcProcess,
     parse_tool_fault,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from router_sidecar.runtime.supervise import start_etcd
-from router_sidecar.testbed.real_engine import Installation, VllmReplica, find_installation, start_replicas
+from router_testbed.real_engine import Installation, VllmReplica, find_installation, start_replicas
 from tests.harness import Gateway
 
 INSTALL, SKIP_REASON = find_installation()

@@ -1,4 +1,4 @@
-"""Faithfulness: the simulator (router_sidecar.testbed.sim) and real vLLM 0.32 answer the same request shapes
+"""Faithfulness: the simulator (router_testbed.sim) and real vLLM 0.32 answer the same request shapes
 with the same event structure — keys and their order, role event, finish event, usage event, [DONE], error
 shapes.
 
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.testbed.real_engine import VllmReplica
-from router_sidecar.testbed.sim.process import SimProcess, spawn
+from router_testbed.real_engine import VllmReplica
+from router_testbed.sim.process import SimProcess, spawn
 
 TOOL = {
     "type": "function",

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 
-from router_sidecar.testbed.real_engine import VllmReplica
+from router_testbed.real_engine import VllmReplica
 from tests.harness import Gateway, poll
 from tests.real_engine.client import Streamed, has_content, sdk_client
 

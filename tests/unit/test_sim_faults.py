@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router_sidecar.testbed.sim.faults import (
+from router_testbed.sim.faults import (
     DONE,
     HEADERS,
     ROLE,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.testbed.sim import generation as gen
-from router_sidecar.testbed.sim.server import json_response, stream_head
+from router_testbed.sim import generation as gen
+from router_testbed.sim.server import json_response, stream_head
 
 REF = Path("/work/shared/reference/vllm-0.32-cpu")
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="vLLM reference transcripts not available")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from router_sidecar.testbed.sim import generation as gen
-from router_sidecar.testbed.sim.server import build_parser, config_from_args
-from router_sidecar.testbed.sim.toolcall import (
+from router_testbed.sim import generation as gen
+from router_testbed.sim.server import build_parser, config_from_args
+from router_testbed.sim.toolcall import (
     ToolOutcome,
     ToolReply,
     parse_tool_url,

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router_sidecar.core.tool_keys import tool_idempotency_key
-from router_sidecar.testbed.sim import generation as gen
+from router_testbed.sim import generation as gen
 
 TOOL_CALL_NUMBER = 1
 DEFAULT_TOOL_TIMEOUT = 5.0

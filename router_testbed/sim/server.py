@@ -1,10 +1,10 @@
 """A vLLM 0.32 replica simulator: OpenAI-compatible HTTP/1.1 on raw asyncio streams, with faults.
 
-Run: ``python -m router_sidecar.testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl``. It prints
+Run: ``python -m router_testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl``. It prints
 ``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
-exits 0 on SIGTERM/SIGINT. See :mod:`router_sidecar.testbed.sim.faults` for the ``x-sim-fault`` grammar.
+exits 0 on SIGTERM/SIGINT. See :mod:`router_testbed.sim.faults` for the ``x-sim-fault`` grammar.
 
-Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_sidecar.testbed.sim.toolcall`):
+Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_testbed.sim.toolcall`):
 every
 generation request first makes one tool call keyed ``tool_idempotency_key(x-request-id, 1)``, before the
 status line is written; then the ``tool`` fault point; then the usual flow. The tool's result is the first
@@ -31,9 +31,9 @@ from email.utils import formatdate
 from typing import Any, NoReturn
 
 from router_sidecar.runtime.supervise import listen_socket, stop_on_signals
-from router_sidecar.testbed.sim import generation as gen
-from router_sidecar.testbed.sim import toolcall
-from router_sidecar.testbed.sim.faults import (
+from router_testbed.sim import generation as gen
+from router_testbed.sim import toolcall
+from router_testbed.sim.faults import (
     DONE,
     HEADER,
     HEADERS,
@@ -48,7 +48,7 @@ from router_sidecar.testbed.sim.faults import (
     parse_fault_spec,
     token_point,
 )
-from router_sidecar.testbed.sim.log import RequestLog
+from router_testbed.sim.log import RequestLog
 
 MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024

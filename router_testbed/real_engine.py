@@ -24,7 +24,7 @@ from pathlib import Path
 
 from router_sidecar.runtime.supervise import _die_with_parent, free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
 TINY_MODEL = REPO / ".tools" / "tiny-model"
 SERVED_MODEL_NAME = "tiny"

@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from router_sidecar.runtime.supervise import Child, find_etcd, free_port, http_ok, wait_until
-from router_sidecar.testbed.sim.log import read_log
-from router_sidecar.testbed.sim.process import SimProcess, spawn
+from router_testbed.sim.log import read_log
+from router_testbed.sim.process import SimProcess, spawn
 
 TERMINAL_PHASES = frozenset({"completed", "interrupted", "cancelled", "rejected", "failed"})
 # Trace events that close a request's story: a look-up may show a terminal phase a moment before the
@@ -773,16 +773,16 @@ USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 
 class RealStack(Stack):
-    """etcd, two real vLLM replicas (``router_sidecar.testbed.real_engine``) and the gateway."""
+    """etcd, two real vLLM replicas (``router_testbed.real_engine``) and the gateway."""
 
     def __init__(self, work: Path) -> None:
         super().__init__(work, token_interval=0.0)
-        from router_sidecar.testbed.real_engine import VllmReplica
+        from router_testbed.real_engine import VllmReplica
 
         self.vllm: dict[str, VllmReplica] = {}
 
     def _start_replicas(self) -> None:
-        from router_sidecar.testbed.real_engine import find_installation, start_replicas
+        from router_testbed.real_engine import find_installation, start_replicas
 
         install, why = find_installation()
         if install is None:

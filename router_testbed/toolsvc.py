@@ -1,6 +1,6 @@
 """A test tool service: counts side-effect executions, with faults chosen per request.
 
-Run: ``python -m router_sidecar.testbed.toolsvc --listen 127.0.0.1:0 --log /tmp/tool.jsonl [--name pay]``. It
+Run: ``python -m router_testbed.toolsvc --listen 127.0.0.1:0 --log /tmp/tool.jsonl [--name pay]``. It
 prints ``toolsvc NAME listening on HOST:PORT`` once bound and exits 0 on SIGTERM/SIGINT. HTTP/1.1 with
 keep-alive (``content-length`` or chunked request bodies).
 
@@ -46,9 +46,9 @@ from http import HTTPStatus
 from typing import Any
 
 from router_sidecar.runtime.supervise import listen_socket, stop_on_signals
-from router_sidecar.testbed.sim.log import Record, RequestLog, read_log
-from router_sidecar.testbed.sim.process import SimProcess, _read_ready_line
-from router_sidecar.testbed.sim.server import BadRequest, Connection, Request, parse_listen
+from router_testbed.sim.log import Record, RequestLog, read_log
+from router_testbed.sim.process import SimProcess, _read_ready_line
+from router_testbed.sim.server import BadRequest, Connection, Request, parse_listen
 
 FAULT_HEADER = "x-tool-fault"
 RETRIABLE_HEADER = "x-tool-retriable"
@@ -283,7 +283,7 @@ async def serve(host: str, port: int, name: str | None, log_path: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m router_sidecar.testbed.toolsvc", description="test tool service"
+        prog="python -m router_testbed.toolsvc", description="test tool service"
     )
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--log", required=True, help="JSONL execution log (appended)")
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class ToolSvcProcess(SimProcess):
-    """A running tool service (stop/kill/url as :class:`~router_sidecar.testbed.sim.process.SimProcess`)."""
+    """A running tool service (stop/kill/url as :class:`~router_testbed.sim.process.SimProcess`)."""
 
     def tool_url(self, tool: str = "payments", action: str = "charge") -> str:
         return f"{self.url}/tools/{tool}/{action}"
@@ -328,7 +328,7 @@ def spawn_toolsvc(
     cmd = [
         python,
         "-m",
-        "router_sidecar.testbed.toolsvc",
+        "router_testbed.toolsvc",
         "--listen",
         f"{host}:{port}",
         "--log",

@@ -1,6 +1,6 @@
 """Start simulator replicas as child processes (for tests and demos).
 
-``spawn`` runs ``python -m router_sidecar.testbed.sim --listen HOST:0 ...`` and waits (with a deadline) for
+``spawn`` runs ``python -m router_testbed.sim --listen HOST:0 ...`` and waits (with a deadline) for
 its ``sim NAME listening on HOST:PORT`` line, so no free-port guessing is needed. Always stop what
 you start: use ``with spawn(...) as sim:`` or call :meth:`SimProcess.stop` in a ``finally``.
 """
@@ -99,7 +99,7 @@ def spawn(
     env: dict[str, str] | None = None,
 ) -> SimProcess:
     """Start one simulator; ``args`` are extra CLI options (``--prefill-delay``, ``--seed``, ...)."""
-    cmd = [python, "-m", "router_sidecar.testbed.sim", "--listen", f"{host}:{port}"]
+    cmd = [python, "-m", "router_testbed.sim", "--listen", f"{host}:{port}"]
     if name is not None:
         cmd += ["--name", name]
     if log_path is not None:

@@ -1,5 +1,0 @@
-import sys
-
-from router_sidecar.testbed.sim.server import main
-
-sys.exit(main())

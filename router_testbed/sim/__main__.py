@@ -1,0 +1,5 @@
+import sys
+
+from router_testbed.sim.server import main
+
+sys.exit(main())

@@ -1,0 +1,195 @@
+"""Several gateways, one etcd cluster: two gateway instances on a 3-member etcd, on loopback.
+
+What one instance knows, the other knows through etcd: a request id (Idempotency-Key) in flight on one is
+refused on the other, its outcome is readable from both, and a tool key claimed through one replays through
+the other. A member of the cluster killed under load (the leader) loses no journal record.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router_testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
+from tests.harness import ClientResult, EtcdCluster, Gateway, Sim, chat, poll, post, with_credential
+
+pytestmark = pytest.mark.integration
+
+
+class Deployment:
+    def __init__(self, work: Path) -> None:
+        self.cluster = EtcdCluster(work / "etcd")
+        self.sims: dict[str, Sim] = {}
+        self.gateways: list[Gateway] = []
+        self.toolsvc: ToolSvcProcess | None = None
+        try:
+            self.toolsvc = spawn_toolsvc(name="payments", log_path=str(work / "executions.jsonl"))
+            self.sims = {n: Sim(n, work, token_interval=0.02) for n in ("a", "b")}
+            for index in range(2):
+                gw_work = work / f"gw{index}"
+                gw_work.mkdir()
+                self.gateways.append(
+                    Gateway(
+                        replicas=[s.endpoint for s in self.sims.values()],
+                        etcd=self.cluster.endpoints,
+                        work=gw_work,
+                        tools=(f"payments={self.toolsvc.address}",),
+                    )
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+        for sim in self.sims.values():
+            sim.stop()
+        if self.toolsvc is not None:
+            self.toolsvc.stop()
+        self.cluster.stop()
+
+    def served(self, request_id: str) -> list[dict[str, object]]:
+        return [r for sim in self.sims.values() for r in sim.requests_for(request_id)]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    d = Deployment(tmp_path_factory.mktemp("multi-gateway"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_a_key_in_flight_on_one_instance_is_refused_by_the_other(deployment: Deployment) -> None:
+    one, other = deployment.gateways
+    key = "multi-gw-in-flight"
+    first: dict[str, ClientResult] = {}
+    slow = threading.Thread(
+        target=lambda: first.setdefault(
+            "r",
+            post(
+                f"{one.url}/v1/chat/completions",
+                chat(max_tokens=3),
+                headers={"idempotency-key": key, "x-sim-fault": "delay@role for=1.5"},
+            ),
+        )
+    )
+    slow.start()
+    try:
+        poll(
+            lambda: any(r.get("request_id") == key for s in deployment.sims.values() for r in s.records()),
+            what="the first request reached a replica",
+        )
+        second = httpx.post(
+            f"{other.url}/v1/chat/completions", json=chat(), headers=with_credential({"idempotency-key": key})
+        )
+        assert second.status_code == 409, second.text
+        assert (second.json()["error"]["code"], second.json()["error"]["request_id"]) == (
+            "idempotency_key_in_flight",
+            key,
+        )
+    finally:
+        slow.join(15)
+    result = first["r"]
+    assert result.status == 200 and result.data()[-1] == "[DONE]" and len(result.content_chunks()) == 3
+    # The outcome, from either instance; the record names the instance that served it.
+    records = [gw.wait_journal(key, lambda j: j["phase"] == "completed") for gw in (one, other)]
+    assert records[0]["gateway"] == records[1]["gateway"]
+    assert records[1]["delivered_output_tokens"] == 3
+    third = httpx.post(
+        f"{other.url}/v1/chat/completions", json=chat(), headers=with_credential({"idempotency-key": key})
+    )
+    assert third.status_code == 409 and third.json()["error"]["code"] == "request_already_finished"
+    assert len(deployment.served(key)) == 1, "a duplicate key must never reach a replica"
+
+
+def test_a_tool_key_claimed_through_one_instance_replays_through_the_other(deployment: Deployment) -> None:
+    one, other = deployment.gateways
+    assert deployment.toolsvc is not None and deployment.toolsvc.log_path is not None
+    key, body = "multi-gw-tool:call_01", {"amount": 42, "currency": "EUR"}
+    headers = with_credential({"idempotency-key": key, "content-type": "application/json"})
+    first = httpx.post(
+        f"{one.url}/tools/payments/charge", content=json.dumps(body), headers=headers, timeout=15
+    )
+    assert first.status_code == 200, first.text
+    again = httpx.post(
+        f"{other.url}/tools/payments/charge", content=json.dumps(body), headers=headers, timeout=15
+    )
+    assert again.status_code == 200 and again.headers.get("x-idempotent-replay") == "true", again.text
+    assert again.content == first.content
+    executions = [e for e in read_executions(deployment.toolsvc.log_path) if e.get("key") == key]
+    assert len(executions) == 1, executions
+    # Bound to the whole call on every instance: another path through the other one is refused.
+    refund = httpx.post(
+        f"{other.url}/tools/payments/refund", content=json.dumps(body), headers=headers, timeout=15
+    )
+    assert refund.status_code == 422 and refund.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_etcd_leader_killed_under_load_loses_no_journal_record(deployment: Deployment) -> None:
+    """Streams through both instances while the etcd leader is SIGKILLed, and stays down until they end.
+    Every request the clients made ends honestly (a complete answer, or one JSON error / terminal frame),
+    and every one has a journal record that agrees with what its client got: nothing lost, nothing stuck in
+    flight. The gateways know every member (`--etcd` lists them): with one down they stay ready."""
+    rng = random.Random(20261201)
+    cluster = deployment.cluster
+    count = 16
+    keys = [f"multi-gw-leader-{i}" for i in range(count)]
+    killed: list[str] = []
+
+    def one(i: int) -> ClientResult:
+        gateway = deployment.gateways[i % 2]
+        if i == count // 2:  # half the streams are on their way: kill the leader now
+            killed.append(cluster.leader())
+            cluster.kill(killed[0])
+        return post(
+            f"{gateway.url}/v1/chat/completions",
+            chat(max_tokens=rng.randrange(20, 40)),
+            headers={"idempotency-key": keys[i]},
+            timeout=60,
+        )
+
+    try:
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            results = list(pool.map(one, range(count)))
+        assert killed
+        for gateway in deployment.gateways:
+            assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 200
+        outcomes = _check_outcomes(deployment, keys, results)
+    finally:
+        if killed:
+            cluster.restart(killed[0])
+    # etcd keeps quorum with one member down: the streams are not what the failure costs.
+    assert outcomes.count("completed") >= count - 2, [(r.status, r.body[-200:]) for r in results]
+
+
+def _check_outcomes(deployment: Deployment, keys: list[str], results: list[ClientResult]) -> list[str]:
+    outcomes: list[str] = []
+    for key, result in zip(keys, results, strict=True):
+        data = result.data()
+        if result.status == 200 and data and data[-1] == "[DONE]" and not _frames(data):
+            expect = "completed"
+        elif result.status == 200:
+            assert len(_frames(data)) == 1, result.body[-500:]
+            expect = "interrupted"
+        else:
+            assert result.headers.get("content-type", "").startswith("application/json"), result.body[:300]
+            expect = "failed"
+        record = deployment.gateways[0].wait_journal(key, lambda j, e=expect: j["phase"] == e, timeout=30)
+        if expect == "completed":
+            assert record["delivered_output_tokens"] == len(result.content_chunks())
+        outcomes.append(expect)
+    return outcomes
+
+
+def _frames(data: list[object]) -> list[object]:
+    return [d for d in data if isinstance(d, dict) and "error" in d]
