@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv with pinned deps, the Envoy binary in its own tools dir,
-# the Envoy API messages (xds-protos) without their bundled google/opentelemetry copies, and etcd.
+# Envoy's own API messages (xds-protos, for tests only: tests/unit/test_wire_compat.py checks our wire
+# definitions against them) without their bundled google/opentelemetry copies, and etcd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,7 +17,8 @@ echo "setup: creating $VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements.lock
 "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e .
 
-# xds-protos ships envoy/, udpa/, xds/, validate/ plus private copies of google/, opentelemetry/,
+# The product speaks its own definitions (proto/, router_sidecar/wire/). xds-protos is only the reference
+# the tests compare them with. It ships envoy/, udpa/, xds/, validate/ plus private copies of google/, opentelemetry/,
 # opencensus/ that would shadow the real packages. Install it aside and expose only the four trees.
 xds_version=$(grep -E '^xds-protos==' requirements-tools.lock | cut -d= -f3)
 if [ ! -f "$TOOLS/xds/.version" ] || [ "$(cat "$TOOLS/xds/.version")" != "$xds_version" ]; then

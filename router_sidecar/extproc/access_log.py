@@ -11,10 +11,10 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from router_sidecar.core.request import DownstreamLoss
 from router_sidecar.extproc.registry import Registry
+from router_sidecar.wire import access_log_pb2 as als_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _UPSTREAM_FLAGS = (
 )
 
 
-class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLogServicer:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 

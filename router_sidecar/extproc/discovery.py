@@ -16,44 +16,40 @@ from collections import Counter
 from collections.abc import Mapping
 
 import grpc
-from envoy.config.core.v3 import address_pb2, base_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
-from envoy.service.discovery.v3 import discovery_pb2
-from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2, struct_pb2
 
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.registry_store import Replica
 from router_sidecar.core.fingerprint import describe_difference
+from router_sidecar.wire import core_pb2, discovery_pb2
 
 log = logging.getLogger(__name__)
 
 CLUSTER = "llm"
+# Envoy checks each resource's type_url against its own type name; Any.Pack would write our proto package's.
 CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 PIN_KEY = "fingerprint"
 FIRST_SNAPSHOT_WAIT_SECONDS = 5.0
 
 
-def load_assignment(replicas: Mapping[str, Replica]) -> endpoint_pb2.ClusterLoadAssignment:
+def load_assignment(replicas: Mapping[str, Replica]) -> discovery_pb2.ClusterLoadAssignment:
     endpoints = []
     for address, replica in sorted(replicas.items()):
         host, _, port = address.rpartition(":")
-        metadata = base_pb2.Metadata()
+        metadata = core_pb2.Metadata()
         metadata.filter_metadata["envoy.lb"].update({PIN_KEY: replica.digest})
         endpoints.append(
-            endpoint_components_pb2.LbEndpoint(
-                endpoint=endpoint_components_pb2.Endpoint(
-                    address=address_pb2.Address(
-                        socket_address=address_pb2.SocketAddress(
-                            address=host.strip("[]"), port_value=int(port)
-                        )
+            discovery_pb2.LbEndpoint(
+                endpoint=discovery_pb2.Endpoint(
+                    address=core_pb2.Address(
+                        socket_address=core_pb2.SocketAddress(address=host.strip("[]"), port_value=int(port))
                     )
                 ),
                 metadata=metadata,
             )
         )
-    return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=CLUSTER, endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)]
+    return discovery_pb2.ClusterLoadAssignment(
+        cluster_name=CLUSTER, endpoints=[discovery_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)]
     )
 
 
@@ -87,7 +83,7 @@ def why_no_compatible_replica(replicas: Mapping[str, Replica], pinned: Replica, 
     return f"the other healthy replicas are not compatible with the pinned fingerprint ({details})"
 
 
-class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
+class EndpointDiscovery:
     """State-of-the-world EDS for cluster `llm`: a new ClusterLoadAssignment after every registry change."""
 
     def __init__(self, liveness: LivenessMonitor) -> None:
@@ -106,8 +102,9 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
             while not reader.done():
                 changed = self._liveness.changed
                 version += 1
-                resource = any_pb2.Any()
-                resource.Pack(load_assignment(self._liveness.replicas))
+                resource = any_pb2.Any(
+                    type_url=CLA_TYPE, value=load_assignment(self._liveness.replicas).SerializeToString()
+                )
                 await context.write(
                     discovery_pb2.DiscoveryResponse(
                         version_info=str(version), resources=[resource], type_url=CLA_TYPE, nonce=str(version)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.type.v3 import http_status_pb2
 from google.protobuf.struct_pb2 import Struct
+
+from router_sidecar.wire import core_pb2
+from router_sidecar.wire import ext_proc_pb2 as ep
 
 ProcessingRequest = ep.ProcessingRequest
 ProcessingResponse = ep.ProcessingResponse
@@ -58,9 +58,9 @@ def header_mutation(
 ) -> ep.HeaderMutation:
     return ep.HeaderMutation(
         set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            core_pb2.HeaderValueOption(
+                header=core_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")),
+                append_action=core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
             )
             for k, v in set_headers
         ],
@@ -114,7 +114,7 @@ def immediate(
 ) -> ProcessingResponse:
     return ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            status=core_pb2.HttpStatus(code=status),  # an open enum: any HTTP status number
             headers=header_mutation([("content-type", content_type), *extra_headers]),
             body=body,
             details="router_sidecar",

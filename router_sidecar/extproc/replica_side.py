@@ -22,7 +22,6 @@ import logging
 import time
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from router_sidecar.coordination.replica_fence import (
     DEFAULT_SAFETY_MARGIN,
@@ -47,7 +46,7 @@ def _refusal(code: str, message: str) -> m.ProcessingResponse:
     return m.immediate(503, body)
 
 
-class ReplicaFenceServicer(ep_grpc.ExternalProcessorServicer):
+class ReplicaFenceServicer:
     def __init__(self, store: EtcdStore, *, margin: float = DEFAULT_SAFETY_MARGIN) -> None:
         self.store = store
         self.margin = margin

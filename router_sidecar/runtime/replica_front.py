@@ -12,13 +12,13 @@ from pathlib import Path
 from string import Template
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from router_sidecar.coordination.replica_fence import DEFAULT_SAFETY_MARGIN
 from router_sidecar.coordination.store import EtcdStore
 from router_sidecar.extproc.replica_side import ReplicaFenceServicer
 from router_sidecar.runtime.envoy_config import TEMPLATE_DIR, Endpoint, find_envoy, validate
 from router_sidecar.runtime.supervise import Child, start_envoy, wait_envoy_ready
+from router_sidecar.wire import services as wire_services
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ReplicaFront:
         self.socket_path = work_dir / "fence.sock"
         self.servicer = ReplicaFenceServicer(store, margin=margin)
         self._server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
+        wire_services.add_external_processor(self._server, self.servicer)
         self.envoy = FrontEnvoy(
             FrontSpec(
                 front=Endpoint.parse(front),
