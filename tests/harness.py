@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from router_sidecar.runtime.supervise import (
     Child,
@@ -225,6 +226,16 @@ class EtcdCluster:
             child.stop()
 
 
+def _with_full_traces(config: Path | None, path: Path) -> Path:
+    """The test's policy, keeping every record's event trace (production compacts clean completions'),
+    since tests check the trace. A policy that sets `journal.trace_clean_completions` keeps its value."""
+    policy = yaml.safe_load(config.read_text()) if config is not None else None
+    policy = policy or {}
+    policy.setdefault("journal", {}).setdefault("trace_clean_completions", 1)
+    path.write_text(yaml.safe_dump(policy))
+    return path
+
+
 class Gateway:
     """`router-sidecar gateway` as a subprocess, exactly as a user runs it."""
 
@@ -259,8 +270,7 @@ class Gateway:
             argv += ["--replica", replica]
         for tool in tools:
             argv += ["--tool", tool]
-        if config is not None:
-            argv += ["--config", str(config)]
+        argv += ["--config", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._out, start_new_session=True)
         self._wait_ready()

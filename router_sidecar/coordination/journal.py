@@ -4,21 +4,40 @@ The record answers, during an incident, whether the router had the right to re-s
 (`first_delta_sent`), and afterwards what the client got (`delivered_output_tokens`, `outcome`). It is a
 view of the logical request plus the ordered trace of its named events.
 
-Writes for one request are serialised and coalesced (the latest state wins), except `write_ahead`, which
-returns only once that state is durable. Records expire with a retention lease shared by all records
-written in the same time bucket, so the journal costs one lease per bucket, not one per request.
+A record is written when the request is admitted (`claim`), when its first delta is about to go out
+(`write_ahead`, which returns only once that state is durable), every `progress_interval` while it
+streams, and once its stream is over (`finish`, its leases released first): three writes for most
+requests. In between, the machines hold the truth (`update` only stamps their events); a look-up on the
+serving gateway shows the live state, on another one the last written state. Writes for one request are
+serialised and coalesced. A clean completion's record keeps the summary, not the trace, unless sampled
+(`trace_clean_completions`). Records expire with a retention lease shared by all records written in the
+same time bucket, so the journal costs one lease per bucket, not one per request.
+
+Each record names the gateway instance that owns it (`owner`), and while the request is open an in-flight
+index entry under that instance points at it: created in the claim's transaction, removed in the same
+transaction as the first write of a terminal phase. If the instance dies, another closes what is left
+(`coordination/owners.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import logging
 import time
 from typing import Any
 
-from router_sidecar.coordination.store import RetentionLeases, Store, StoreUnavailable, keys
+from router_sidecar.coordination.store import (
+    Delete,
+    Lease,
+    Put,
+    RetentionLeases,
+    Store,
+    StoreUnavailable,
+    keys,
+)
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
 from router_sidecar.core.views import journal_view
 
@@ -50,7 +69,19 @@ def existing_phase(record: dict[str, Any]) -> Phase | None:
 
 
 class _Entry:
-    __slots__ = ("dirty", "dropped", "failures", "head", "head_size", "lock", "released", "tail")
+    __slots__ = (
+        "dirty",
+        "dropped",
+        "failures",
+        "head",
+        "head_size",
+        "in_flight_indexed",
+        "lock",
+        "released",
+        "tail",
+        "written",
+        "written_at",
+    )
 
     def __init__(self, max_events: int) -> None:
         self.lock = asyncio.Lock()
@@ -63,6 +94,9 @@ class _Entry:
         self.dirty = False
         self.failures = 0  # consecutive failed writes (etcd unreachable)
         self.released = False  # the request left this gateway: drop the entry once it is written
+        self.in_flight_indexed = False  # its in-flight index entry exists (claimed, not yet terminal)
+        self.written_at = time.monotonic()  # last write sent (progress writes are spaced from it)
+        self.written = b""  # what the last write said (less its time): the same again is not rewritten
 
     def add(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -79,13 +113,29 @@ class _Entry:
         return [*self.head, {"event": "events_dropped", "count": self.dropped}, *self.tail]
 
 
+def _stamped(content: bytes) -> bytes:
+    """The record's JSON with its `updated_at` (wall clock) appended."""
+    return content[:-1] + b',"updated_at":' + str(round(time.time(), 6)).encode() + b"}"
+
+
 class Journal:
     def __init__(
-        self, store: Store, *, retention_seconds: float, gateway_id: str, max_events: int = 256
+        self,
+        store: Store,
+        *,
+        retention_seconds: float,
+        gateway_id: str,
+        max_events: int = 256,
+        instance: str | None = None,
+        progress_interval: float = 0.0,
+        trace_clean_completions: float = 1.0,
     ) -> None:
         self._store = store
         self._max_events = max_events
         self._gateway_id = gateway_id
+        self.instance = instance  # owner id of this gateway instance (None: no ownership, e.g. unit tests)
+        self._progress_interval = progress_interval
+        self._trace_clean_completions = trace_clean_completions
         self._entries: dict[LogicalRequest, _Entry] = {}  # by identity: one id may be re-run
         self._leases = RetentionLeases(store, retention_seconds)
 
@@ -97,9 +147,13 @@ class Journal:
         entry = self._entry(request)
         self._take_events(request, entry)
         key = keys.request(request.tenant, request.request_id)
-        value = self._encode(request, entry)
-        existing = await self._store.create(key, value, await self._leases.current())
+        content = self._content(request, entry)
+        value = _stamped(content)
+        lease = await self._leases.current()
+        index = self._index_ops(request, lease)
+        existing = await self._store.create(key, value, lease, also=index)
         if existing is None:
+            entry.in_flight_indexed, entry.written = bool(index), content
             return
         try:
             record = json.loads(existing)
@@ -111,8 +165,9 @@ class Journal:
         if (
             phase is Phase.FAILED
             and not record.get("first_delta_sent")
-            and await self._store.replace(key, existing, value, await self._leases.current())
+            and await self._store.replace(key, existing, value, lease, also=index)
         ):
+            entry.in_flight_indexed, entry.written = bool(index), content
             return
         self._entries.pop(request, None)  # the id belongs to someone else: keep nothing
         raise ClaimConflict(record)
@@ -126,13 +181,47 @@ class Journal:
             await self._put(request, entry)
 
     def update(self, request: LogicalRequest) -> None:
-        """Persist the current state in the background (coalesced); errors are logged, not raised."""
+        """Take the request's new events (stamped now) and, if a progress write is due, persist in the
+        background (coalesced; errors are logged, not raised). Otherwise the next write carries them."""
         entry = self._entry(request)
         self._take_events(request, entry)
+        if self._progress_due(request, entry):
+            self._schedule(request, entry)
+
+    async def finish(self, request: LogicalRequest) -> None:
+        """The request's stream is over: write its final state now; if etcd does not take it, keep trying
+        in the background (the record would otherwise stay at whatever the last write said)."""
+        entry = self._entry(request)
+        self._take_events(request, entry)
+        try:
+            async with entry.lock:
+                entry.dirty = False
+                await self._put(request, entry)
+        except StoreUnavailable as exc:
+            log.error(
+                "journal: could not record the end of request %s (will retry): %s", request.request_id, exc
+            )
+            self._schedule(request, entry)
+
+    def _schedule(self, request: LogicalRequest, entry: _Entry) -> None:
         if entry.dirty:
             return
         entry.dirty = True
         asyncio.get_running_loop().create_task(self._flush(request, entry))
+
+    def progress(self, request: LogicalRequest) -> None:
+        """A chunk went out: rewrite the record if its progress interval has passed (cheap otherwise)."""
+        if self._progress_interval > 0:
+            entry = self._entries.get(request)
+            if entry is not None and time.monotonic() - entry.written_at >= self._progress_interval:
+                self.update(request)
+
+    def _progress_due(self, request: LogicalRequest, entry: _Entry) -> bool:
+        return (
+            self._progress_interval > 0
+            and request.first_delta_sent
+            and time.monotonic() - entry.written_at >= self._progress_interval
+        )
 
     def release(self, request: LogicalRequest) -> None:
         """The request is done on this gateway: free its entry once its last write has gone out."""
@@ -174,23 +263,62 @@ class Journal:
             self._entries.pop(request, None)
 
     async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
-        value = self._encode(request, entry)
+        content = self._content(request, entry)
+        ends = entry.in_flight_indexed and request.phase in TERMINAL_PHASES
+        if content == entry.written and not ends:
+            return  # e.g. the end seen from both placements: nothing new to say
+        entry.written_at = time.monotonic()
+        value = _stamped(content)
+        also = [Delete(self._index_key(request))] if ends else []
         await self._store.put(
-            keys.request(request.tenant, request.request_id), value, await self._leases.current()
+            keys.request(request.tenant, request.request_id), value, await self._leases.current(), also=also
         )
+        entry.written = content
+        if ends:
+            entry.in_flight_indexed = False
+
+    def _index_key(self, request: LogicalRequest) -> str:
+        assert self.instance is not None
+        return keys.in_flight(self.instance, request.tenant, request.request_id)
+
+    def _index_ops(self, request: LogicalRequest, lease: Lease) -> list[Put]:
+        if self.instance is None or request.phase in TERMINAL_PHASES:
+            return []
+        return [Put(self._index_key(request), b"", lease)]
 
     def view(self, request: LogicalRequest) -> dict[str, Any]:
         """The record as it would be stored now (for look-ups of requests still in flight here)."""
         entry = self._entry(request)
         self._take_events(request, entry)
+        record = self._record(request, entry)
+        record["updated_at"] = round(time.time(), 6)
+        return record
+
+    def _record(self, request: LogicalRequest, entry: _Entry) -> dict[str, Any]:
         record = journal_view(request)
         record["gateway"] = self._gateway_id
-        record["updated_at"] = round(time.time(), 6)
+        if self.instance is not None:
+            record["owner"] = self.instance
         record["events"] = entry.trace()
         return record
 
-    def _encode(self, request: LogicalRequest, entry: _Entry) -> bytes:
-        return json.dumps(self.view(request), separators=(",", ":")).encode()
+    def _content(self, request: LogicalRequest, entry: _Entry) -> bytes:
+        """The record as JSON, without its `updated_at`."""
+        record = self._record(request, entry)
+        if self._compact(request):
+            # What an operator needs of a clean completion is in the summary; the trace is kept for the rest.
+            record["events"] = []
+            record["trace"] = "omitted: clean completion (journal.trace_clean_completions)"
+        return json.dumps(record, separators=(",", ":")).encode()
+
+    def _compact(self, request: LogicalRequest) -> bool:
+        if request.phase is not Phase.COMPLETED or len(request.attempts) != 1 or request.tool_calls:
+            return False
+        if self._trace_clean_completions >= 1:
+            return False
+        # Sampled by request id: the same request is kept (or not) on every write and every gateway.
+        sample = int.from_bytes(hashlib.blake2b(request.request_id.encode(), digest_size=4).digest()) / 2**32
+        return sample >= self._trace_clean_completions
 
     def _take_events(self, request: LogicalRequest, entry: _Entry) -> None:
         now = time.time()

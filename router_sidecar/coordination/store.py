@@ -12,7 +12,7 @@ import contextlib
 import ipaddress
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -31,10 +31,6 @@ class keys:
         return f"{PREFIX}/tools/{tenant}/{idempotency_key}"
 
     @staticmethod
-    def attempt(attempt_id: str) -> str:
-        return f"{PREFIX}/attempts/{attempt_id}"
-
-    @staticmethod
     def cancel_ack(attempt_id: str) -> str:
         return f"{PREFIX}/attempts/{attempt_id}/cancel_ack"
 
@@ -44,6 +40,20 @@ class keys:
         return f"{PREFIX}/attempts/{attempt_id}/progress"
 
     ATTEMPTS_PREFIX = f"{PREFIX}/attempts/"
+
+    @staticmethod
+    def owner(instance: str) -> str:
+        """A gateway instance's owner key, under its owner lease: present while the instance is alive."""
+        return f"{PREFIX}/owners/{instance}"
+
+    OWNERS_PREFIX = f"{PREFIX}/owners/"
+
+    @staticmethod
+    def in_flight(instance: str, tenant: str, request_id: str) -> str:
+        """Index of a request record an instance owns until its journal says the request ended."""
+        return f"{PREFIX}/inflight/{instance}/{tenant}/{request_id}"
+
+    IN_FLIGHT_PREFIX = f"{PREFIX}/inflight/"
 
 
 class StoreUnavailable(Exception):
@@ -56,18 +66,51 @@ class Lease:
     ttl_seconds: int
 
 
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A further write in the same transaction as a record's write (one etcd revision for both)."""
+
+    key: str
+    value: bytes
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: str
+
+
+Also = Sequence[Put | Delete]
+
+
 class Store(Protocol):
-    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+    """`also`: further writes done in the same transaction, only if the main one is."""
+
+    async def create(
+        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+    ) -> bytes | None:
         """Write `value` only if `key` is absent. Returns None on success, else the existing value."""
         ...
 
-    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
-        """Write `value` only if `key` still holds `expected`. Returns whether it was written."""
+    async def replace(
+        self,
+        key: str,
+        expected: bytes,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
+        """Write `value` only if `key` still holds `expected` (and the key `present`, if given, exists).
+        Returns whether it was written."""
         ...
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None: ...
+    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None: ...
 
     async def get(self, key: str) -> bytes | None: ...
+
+    async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]: ...
 
     async def delete(self, key: str) -> None: ...
 
@@ -151,13 +194,24 @@ class EtcdStore:
         """Raise StoreUnavailable unless etcd answers a status call now."""
         await self._call(self._client.status())
 
-    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+    def _ops(self, also: Also) -> list[object]:
+        tx = self._client.transactions
+        return [
+            tx.put(op.key.encode(), op.value, lease=op.lease.id if op.lease else None)
+            if isinstance(op, Put)
+            else tx.delete(op.key.encode())
+            for op in also
+        ]
+
+    async def create(
+        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+    ) -> bytes | None:
         k = key.encode()
         tx = self._client.transactions
         ok, responses = await self._call(
             self._client.transaction(
                 compare=[tx.create(k) == 0],
-                success=[tx.put(k, value, lease=lease.id if lease else None)],
+                success=[tx.put(k, value, lease=lease.id if lease else None), *self._ops(also)],
                 failure=[tx.get(k)],
             )
         )
@@ -166,20 +220,46 @@ class EtcdStore:
         found = responses[0] if responses else []
         return found[0][0] if found else b""
 
-    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
+    async def replace(
+        self,
+        key: str,
+        expected: bytes,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
         k = key.encode()
         tx = self._client.transactions
+        compare = [tx.value(k) == expected]
+        if present is not None:
+            compare.append(tx.version(present.encode()) > 0)
         ok, _ = await self._call(
             self._client.transaction(
-                compare=[tx.value(k) == expected],
-                success=[tx.put(k, value, lease=lease.id if lease else None)],
+                compare=compare,
+                success=[tx.put(k, value, lease=lease.id if lease else None), *self._ops(also)],
                 failure=[],
             )
         )
         return bool(ok)
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
-        await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
+    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
+        if not also:
+            await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
+            return
+        tx = self._client.transactions
+        await self._call(
+            self._client.transaction(
+                compare=[],
+                success=[tx.put(key.encode(), value, lease=lease.id if lease else None), *self._ops(also)],
+                failure=[],
+            )
+        )
+
+    async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        result = await self._call(self._client.get_prefix(prefix.encode()))
+        return [(kv.key.decode(), kv.value) for kv in result.kvs]
 
     async def get(self, key: str) -> bytes | None:
         result = await self._call(self._client.get(key.encode()))
@@ -254,23 +334,47 @@ class MemoryStore:
         self.revoked: set[int] = set()
         self._next_lease = 1
 
-    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+    def _apply(self, also: Also) -> None:
+        for op in also:
+            if isinstance(op, Put):
+                self.data[op.key] = op.value
+            else:
+                self.data.pop(op.key, None)
+
+    async def create(
+        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+    ) -> bytes | None:
         if key in self.data:
             return self.data[key]
         self.data[key] = value
+        self._apply(also)
         return None
 
-    async def replace(self, key: str, expected: bytes, value: bytes, lease: Lease | None = None) -> bool:
-        if self.data.get(key) != expected:
+    async def replace(
+        self,
+        key: str,
+        expected: bytes,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
+        if self.data.get(key) != expected or (present is not None and present not in self.data):
             return False
         self.data[key] = value
+        self._apply(also)
         return True
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
         self.data[key] = value
+        self._apply(also)
 
     async def get(self, key: str) -> bytes | None:
         return self.data.get(key)
+
+    async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        return sorted((k, v) for k, v in self.data.items() if k.startswith(prefix))
 
     async def delete(self, key: str) -> None:
         self.data.pop(key, None)

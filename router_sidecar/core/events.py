@@ -35,6 +35,7 @@ class EventName(enum.StrEnum):
     TOOL_CALL_REFUSED = "tool_call_refused"
     TOOL_CALL_FREED = "tool_call_freed"
     TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
+    GATEWAY_LOST = "gateway_lost"  # the instance serving the request is gone; another closed its record
 
 
 class Outcome(enum.StrEnum):
@@ -53,6 +54,7 @@ class Outcome(enum.StrEnum):
     NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy found no healthy host to send an attempt to
     UPSTREAM_ERROR = "upstream_error"
     ENVOY_EXITED = "envoy_exited"  # the gateway's own Envoy died under the stream
+    GATEWAY_LOST = "gateway_lost"  # the gateway instance serving it died (its owner lease lapsed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,6 +255,14 @@ class Leases:
     attempt_ttl_seconds: int = field(
         default=10, metadata=_key("etcd lease of an attempt (TTLs are whole seconds)", lo=1)
     )
+    owner_ttl_seconds: int = field(
+        default=10,
+        metadata=_key(
+            "etcd lease of a gateway instance: when it lapses, another instance closes the requests the "
+            "lost one was serving (gateway_lost)",
+            lo=2,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +311,24 @@ class JournalPolicy:
             "trace events kept per request record (the first and the last ones; it counts the dropped ones)",
             lo=32,
             hi=4096,
+        ),
+    )
+    # A record is written at admission, at the first delta (write-ahead) and at the end; a long stream's
+    # also every interval, so that a lost gateway's record is closed with a recent delivered count.
+    progress_interval_seconds: float = field(
+        default=5.0,
+        metadata=_key(
+            "a streaming request's record is rewritten with its delivered count this often (0: never)", lo=0
+        ),
+    )
+    trace_clean_completions: float = field(
+        default=0.0,
+        metadata=_key(
+            "share of clean completions (one attempt, no tool call) whose record keeps its event trace; the "
+            "others keep the summary only (records of retried, interrupted, failed and cancelled requests "
+            "always keep it)",
+            lo=0,
+            hi=1,
         ),
     )
 

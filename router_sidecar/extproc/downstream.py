@@ -273,8 +273,7 @@ class Inference(PassThrough):
             await self._end_with(request.handle(r.PublisherLost("lease_lost")))
             return None
         decision = request.handle(r.ResponseChunk(chunk, end_of_stream))
-        if request.is_terminal:
-            self._services.journal.update(request)
+        self._services.journal.progress(request)
         if isinstance(decision, r.Forward):
             return m.streamed_body(decision.data, decision.end_of_stream)
         if isinstance(decision, r.Terminate):
@@ -345,17 +344,18 @@ class Inference(PassThrough):
                 request.handle(
                     r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN, live.client_status)
                 )
-            services.journal.update(request)
         finally:
             live.stop_watching()
             if live.publisher_progress is not None:
                 services.progress.untrack(live.publisher_progress)
-            services.registry.remove(live)
-            services.journal.release(request)
             for attempt in request.attempts:  # whatever still holds a lease has finished publishing
                 lease = attempt.lease
                 if lease is not None and lease.revoked_at is None and lease.lease:
                     await services.leases.release(lease)
+            # One write of the end, leases included; look-ups here see the live state until it is written.
+            await services.journal.finish(request)
+            services.registry.remove(live)
+            services.journal.release(request)
 
 
 def _in_flight(request_id: str) -> m.ProcessingResponse:

@@ -7,13 +7,11 @@ import os
 import socket
 
 import grpc
-from envoy.service.accesslog.v3 import als_pb2_grpc
-from envoy.service.endpoint.v3 import eds_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from router_sidecar.coordination.fencing import AttemptLeases
 from router_sidecar.coordination.journal import Journal
 from router_sidecar.coordination.liveness import LivenessMonitor
+from router_sidecar.coordination.owners import Ownership, new_instance_id
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import EtcdStore, Store
@@ -27,13 +25,14 @@ from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
+from router_sidecar.wire import services as wire_services
 
 log = logging.getLogger(__name__)
 
 PLACEMENT_METADATA = "x-router-sidecar-placement"
 
 
-class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+class ExternalProcessor:
     """Dispatches each ext_proc stream to the servicer of its filter placement (from initial metadata)."""
 
     def __init__(self, services: Services) -> None:
@@ -82,11 +81,25 @@ class SidecarServer:
         self.bind = bind
         self.registry = Registry()
         self.store = store
+        # Several gateways share one etcd: each run owns the records it serves, under its owner lease.
+        self.ownership = (
+            Ownership(
+                store,
+                instance=new_instance_id(gateway_id),
+                ttl_seconds=policy.leases.owner_ttl_seconds,
+                retention_seconds=policy.journal.retention_seconds,
+            )
+            if isinstance(store, EtcdStore)
+            else None
+        )
         self.journal = Journal(
             store,
             retention_seconds=policy.journal.retention_seconds,
             gateway_id=gateway_id,
             max_events=policy.journal.max_events,
+            instance=self.ownership.instance if self.ownership else None,
+            progress_interval=policy.journal.progress_interval_seconds,
+            trace_clean_completions=policy.journal.trace_clean_completions,
         )
         self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
         # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
@@ -111,11 +124,9 @@ class SidecarServer:
             gateway_id=gateway_id,
             parser=RequestParser(),
         )
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), self._server)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.registry), self._server)
-        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
-            EndpointDiscovery(self.liveness), self._server
-        )
+        wire_services.add_external_processor(self._server, ExternalProcessor(services))
+        wire_services.add_access_log_service(self._server, AccessLogServicer(self.registry))
+        wire_services.add_endpoint_discovery(self._server, EndpointDiscovery(self.liveness))
 
     async def start(self) -> None:
         self.services.tenant_secret = await load_tenant_secret(
@@ -127,6 +138,8 @@ class SidecarServer:
                 os.unlink(path)
         if self._server.add_insecure_port(self.bind) == 0 and not self.bind.startswith("unix:"):
             raise OSError(f"cannot listen on {self.bind}")
+        if self.ownership is not None:
+            await self.ownership.start()
         await self._server.start()
         log.info("sidecar serving ext_proc on %s", self.bind)
 
@@ -137,6 +150,8 @@ class SidecarServer:
         self.services.parser.start()
         self.liveness.start()
         self.progress.start()
+        if self.ownership is not None:
+            self.ownership.start_background()
 
     async def stop(self, grace: float = 1.0) -> None:
         await self._server.stop(grace)
@@ -144,3 +159,5 @@ class SidecarServer:
         await self.liveness.stop()
         await self.progress.stop()
         await self.leases.stop()
+        if self.ownership is not None:
+            await self.ownership.stop()

@@ -207,6 +207,7 @@ def start_etcd(
     peer_port: int | None = None,
     initial_cluster: str | None = None,
     wait: bool = True,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[Child, str]:
     """A throw-away etcd member on loopback (tests, demo); alone unless `initial_cluster` names its peers
     (NAME=http://HOST:PEER_PORT,...). Returns the child and its client HOST:PORT.
@@ -233,6 +234,7 @@ def start_etcd(
         initial_cluster or f"{name}=http://{host}:{peer_port}",
         "--log-level",
         "warn",
+        *extra_args,
     ]
     child = Child(f"etcd-{name}", argv, log_path=log_path)
     endpoint = f"{host}:{client_port}"

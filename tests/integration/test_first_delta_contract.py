@@ -127,7 +127,10 @@ def test_failure_before_first_delta_is_retried_invisibly(
         lambda: (a := served(sims, result.request_id)) and len(a) == 2 and a, what="both attempts logged"
     )
     assert [a["attempt_id"] for a in attempts] == [first["attempt_id"], second["attempt_id"]]
-    assert attempts[0]["outcome"] == replica_outcome
+    # An abort event is the end of the attempt for the gateway: it may reset the stream before the replica
+    # wrote the usage and [DONE] that follow it, and the replica then logs that its client left.
+    accepted = {replica_outcome, "client_gone"} if replica_outcome == "fault:abort" else {replica_outcome}
+    assert attempts[0]["outcome"] in accepted
     assert attempts[1]["outcome"] == "completed" and attempts[1]["attempt_count"] == 2
     # Content came from the second attempt only.
     no_overlapping_content(result)

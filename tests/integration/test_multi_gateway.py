@@ -8,7 +8,9 @@ the other. A member of the cluster killed under load (the leader) loses no journ
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -193,3 +195,54 @@ def _check_outcomes(deployment: Deployment, keys: list[str], results: list[Clien
 
 def _frames(data: list[object]) -> list[object]:
     return [d for d in data if isinstance(d, dict) and "error" in d]
+
+
+def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """SIGKILL to a third instance while it streams: its owner lease lapses, one of the live instances
+    closes the record it left open (interrupted / gateway_lost, the last journaled count), exactly once, and
+    revokes the attempt's lease, so the attempt's key is gone too."""
+    config = tmp_path / "policy.yaml"
+    config.write_text("leases:\n  owner_ttl_seconds: 2\njournal:\n  progress_interval_seconds: 0.2\n")
+    doomed = Gateway(
+        replicas=[s.endpoint for s in deployment.sims.values()],
+        etcd=deployment.cluster.endpoints,
+        work=tmp_path,
+        config=config,
+    )
+    key = "multi-gw-killed-gateway"
+    client: dict[str, ClientResult] = {}
+    streaming = threading.Thread(
+        target=lambda: client.setdefault(
+            "r",
+            post(f"{doomed.url}/v1/chat/completions", chat(max_tokens=400), headers={"idempotency-key": key}),
+        )
+    )
+    streaming.start()
+    try:
+        # Through another instance: what etcd holds (the record is rewritten as the stream progresses).
+        deployment.gateways[1].wait_journal(key, lambda j: j["delivered_output_tokens"] > 0)
+    finally:
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.stop()
+        streaming.join(30)
+    result = client["r"]
+    assert 0 < len(result.content_chunks()) < 400, "the stream was to be cut mid-way"
+    survivor = deployment.gateways[0]
+    record = survivor.wait_journal(key, lambda j: j["phase"] != "decode", timeout=30)
+    assert (record["phase"], record["outcome"]) == ("interrupted", "gateway_lost"), record
+    lost = [e for e in record["events"] if e["event"] == "gateway_lost"]
+    assert len(lost) == 1 and lost[0]["owner"] == record["owner"]
+    assert lost[0]["closed_by"] != record["owner"]
+    assert 0 < record["delivered_output_tokens"] <= len(result.content_chunks()) + 1
+    # The attempt's right to publish went with it: the closer revoked its lease (well before its TTL).
+    lease_id = int(record["attempts"][-1]["lease"]["lease_id"], 16)
+    poll(lambda: _lease_ttl(deployment, lease_id) == -1, timeout=3, what="the attempt's lease revoked")
+
+
+def _lease_ttl(deployment: Deployment, lease_id: int) -> int:
+    """What etcd says is left of a lease (-1: it does not exist: revoked or expired)."""
+    endpoint = deployment.cluster.endpoint_of(deployment.cluster.names[0])
+    answer = httpx.post(f"http://{endpoint}/v3/lease/timetolive", json={"ID": str(lease_id)}, timeout=5)
+    return int(answer.json().get("TTL", -1))

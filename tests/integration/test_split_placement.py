@@ -17,7 +17,7 @@ import pytest
 
 from router_sidecar.runtime.envoy_config import find_envoy
 from router_sidecar.runtime.supervise import Child, free_port, port_open, start_envoy, start_etcd, wait_until
-from tests.harness import PYTHON, Sim, chat, poll, post
+from tests.harness import CREDENTIAL, PYTHON, Sim, chat, poll, post
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +82,21 @@ def test_serve_plus_rendered_envoy_serves_and_probes(own_etcd: tuple[Child, str]
         assert result.status == 200 and result.data()[-1] == "[DONE]", result.body
         assert len(result.content_chunks()) == 6
         poll(lambda: sim.requests_for(result.request_id), timeout=10, what="the replica's log of the request")
+        # The default policy keeps a clean completion's summary, not its trace (journal sizing).
+        record = poll(
+            lambda: (
+                (
+                    j := httpx.get(
+                        f"{url}/v1/requests/{result.request_id}", headers=CREDENTIAL, timeout=5
+                    ).json()
+                )
+                and j.get("phase") == "completed"
+                and j
+            ),
+            what="the completed record",
+        )
+        assert record["events"] == [] and record["trace"].startswith("omitted: clean completion")
+        assert record["delivered_output_tokens"] == 6 and record["attempts"][0]["outcome"] == "completed"
 
         etcd_child.stop()
         not_ready = httpx.get(f"{url}/readyz", timeout=5)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from router_sidecar.coordination.journal import ClaimConflict, Journal
-from router_sidecar.coordination.store import Lease, MemoryStore, keys
+from router_sidecar.coordination.store import Also, Lease, MemoryStore, keys
 from router_sidecar.core.attempt import (
     Failed,
     FenceProven,
@@ -52,15 +52,17 @@ class SlowStore(MemoryStore):
         super().__init__()
         self.puts: list[tuple[str, dict[str, Any]]] = []
 
-    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> bytes | None:
+    async def create(
+        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+    ) -> bytes | None:
         await asyncio.sleep(0)
-        return await super().create(key, value, lease)
+        return await super().create(key, value, lease, also=also)
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         self.puts.append((key, json.loads(value)))
-        await super().put(key, value, lease)
+        await super().put(key, value, lease, also=also)
 
 
 def request(
@@ -317,14 +319,14 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
 # --- update: background, coalesced, latest state wins, every event once -----------------------------------
 
 
-def test_update_coalesces_to_latest_state() -> None:
+def test_updates_before_the_end_wait_for_the_next_durable_write() -> None:
     async def go() -> None:
         store = SlowStore()
         j = journal(store)
         r = request()
         await j.claim(r)
         assert store.puts == []  # the claim is a create, not a put
-        # Many updates without yielding: one write, of the latest state.
+        # Attempts, a failure, a retry: nothing needs to be durable yet (three writes per request).
         first = begin(r, "a1", "r1")
         j.update(r)
         first.handle(ResponseHeaders(200, SSE))
@@ -336,12 +338,12 @@ def test_update_coalesces_to_latest_state() -> None:
         first.handle(FenceProven("connection_closed"))
         released(r, "a2", "r2")
         j.update(r)
-        j.update(r)
-        assert store.puts == []  # nothing written synchronously
         await settle()
+        assert store.puts == []
+        # The write-ahead carries all of it, every event once.
+        await j.write_ahead(r)
         assert len(store.puts) == 1
         record = stored(store, "tenant-a", "idem-1")
-        assert store.puts[0][1] == record
         assert (record["attempt"], record["first_delta_sent"], record["phase"]) == (2, True, "prefill")
         expected = [
             "request_accepted",
@@ -352,16 +354,21 @@ def test_update_coalesces_to_latest_state() -> None:
             "first_delta_sent",
         ]
         assert event_names(record) == expected
-        # Updates while a write is in progress: one more write afterwards, still every event exactly once.
+        # Streaming: no write per chunk (the progress interval is 0 here: never).
         started(r)
         chunk(r, CONTENT, False)
-        j.update(r)
-        await asyncio.sleep(0)  # the flush has started and is suspended inside put
-        chunk(r, FINISH + DONE_EVENT, True)
-        j.update(r)
+        j.progress(r)
         j.update(r)
         await settle()
-        assert len(store.puts) in (2, 3)
+        assert len(store.puts) == 1
+        # The end: updates stamp its events; `finish` writes it, once (the same state again is not rewritten).
+        chunk(r, FINISH + DONE_EVENT, True)
+        j.update(r)
+        await settle()
+        assert len(store.puts) == 1
+        await asyncio.gather(j.finish(r), j.finish(r))
+        await settle()
+        assert len(store.puts) == 2
         record = stored(store, "tenant-a", "idem-1")
         assert (record["phase"], record["outcome"], record["delivered_output_tokens"]) == (
             "completed",
@@ -373,6 +380,53 @@ def test_update_coalesces_to_latest_state() -> None:
         assert times == sorted(times)
         assert [e.get("attempt") for e in record["events"]] == [None, 1, 1, 1, 2, 2, None]
         assert [(a["attempt"], a["outcome"]) for a in record["attempts"]] == [(1, "failed"), (2, "completed")]
+
+    run(go)
+
+
+def test_a_long_stream_is_rewritten_every_progress_interval() -> None:
+    async def go() -> None:
+        store = SlowStore()
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", progress_interval=1e-9)
+        r = request()
+        await j.claim(r)
+        released(r, "a1", "r")
+        await j.write_ahead(r)
+        started(r)
+        for _ in range(3):
+            chunk(r, CONTENT, False)
+            j.progress(r)
+            await settle()
+        assert [p[1]["delivered_output_tokens"] for p in store.puts] == [0, 1, 2, 3]
+        assert store.puts[-1][1]["phase"] == "decode"
+
+    run(go)
+
+
+@pytest.mark.parametrize(
+    ("sample", "story", "keeps_trace"),
+    [
+        (0.0, _completed, False),
+        (1.0, _completed, True),
+        (0.0, _interrupted, True),
+        (0.0, _cancelled_in_decode, True),
+        (0.0, _failed_before_content, True),
+    ],
+)
+def test_clean_completions_keep_the_summary_only_unless_sampled(
+    sample: float, story: Callable[[LogicalRequest], None], keeps_trace: bool
+) -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", trace_clean_completions=sample)
+        r = request()
+        await j.claim(r)
+        story(r)
+        await j.write_ahead(r)
+        record = stored(store, "tenant-a", "idem-1")
+        assert bool(record["events"]) is keeps_trace
+        assert ("trace" in record) is not keeps_trace
+        assert record["attempts"] and record["phase"] == r.phase.value
 
     run(go)
 
@@ -518,5 +572,41 @@ def test_claim_racing_a_finished_requests_flush_leaves_its_trace_alone() -> None
         record = stored(store, "tenant-a", "idem-1")
         assert record["model"] == "first"
         assert event_names(record).count("request_accepted") == 1
+
+    run(go)
+
+
+# --- ownership: the in-flight index of a gateway instance ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("story", "phase", "reclaimable", "in_flight"), [c[1:] for c in CLAIMS], ids=[c[0] for c in CLAIMS]
+)
+def test_in_flight_index_lives_from_claim_to_the_first_terminal_write(
+    story: Callable[[LogicalRequest], None] | None, phase: str, reclaimable: bool, in_flight: bool | None
+) -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", instance="gw-1~0001")
+        r = request()
+        await j.claim(r)
+        index = keys.in_flight("gw-1~0001", "tenant-a", "idem-1")
+        assert index in store.data and stored(store, "tenant-a", "idem-1")["owner"] == "gw-1~0001"
+        if story is not None:
+            story(r)
+            await j.write_ahead(r)
+        # Open records keep their index entry; an ended one loses it in the write that ends it.
+        assert (index in store.data) is (phase in ("prefill", "decode"))
+
+    run(go)
+
+
+def test_without_an_instance_there_is_no_index() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store)
+        await j.claim(request())
+        assert not [k for k in store.data if k.startswith(keys.IN_FLIGHT_PREFIX)]
+        assert "owner" not in stored(store, "tenant-a", "idem-1")
 
     run(go)

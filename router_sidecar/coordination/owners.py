@@ -1,0 +1,169 @@
+"""Gateway instances on one etcd cluster: each holds an owner lease; the records of a lost one get closed.
+
+An instance's owner key lives under its owner lease, refreshed by this process. If the process dies (or
+is cut off from etcd longer than the TTL), the key goes with the lease. Every instance watches the owner
+keys; when one disappears, it closes the lost owner's open records (`core/ownership.py`) and revokes their
+attempt leases, so no request of a dead gateway stays "in flight" forever and no attempt of it keeps a
+right to publish. Closing is a compare-and-swap that also removes the in-flight index entry: of several
+instances seeing the loss at once, exactly one closes each record.
+
+A periodic sweep covers what a watch can miss (a loss while etcd was unreachable, or while no instance ran).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections import defaultdict
+
+from router_sidecar.coordination.store import (
+    Delete,
+    EtcdStore,
+    Lease,
+    RetentionLeases,
+    Store,
+    StoreUnavailable,
+    keys,
+)
+from router_sidecar.core.ownership import attempt_lease_ids, close_lost_record
+
+log = logging.getLogger(__name__)
+
+# Losses the watch missed are found by a full sweep this often (in owner TTLs).
+SWEEP_EVERY_TTLS = 6
+
+
+def new_instance_id(gateway_id: str) -> str:
+    """An id for this run of a gateway: its name plus a nonce, so a restarted instance is a new owner."""
+    safe = "".join(c if c.isalnum() or c in "-_.:" else "_" for c in gateway_id)[:120]
+    return f"{safe}~{secrets.token_hex(4)}"
+
+
+async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str, closed_by: str) -> int:
+    """Close every open record `owner` left; returns how many this call closed."""
+    closed = 0
+    prefix = keys.in_flight(owner, "", "").rstrip("/") + "/"
+    for index_key, _ in await store.get_prefix(prefix):
+        tenant, _, request_id = index_key[len(prefix) :].partition("/")
+        record_key = keys.request(tenant, request_id)
+        raw = await store.get(record_key)
+        if raw is None:  # expired with its retention: only the index is left
+            await store.delete(index_key)
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            await store.delete(index_key)
+            continue
+        closed_record = close_lost_record(record, owner=owner, closed_by=closed_by, now=time.time())
+        if closed_record is None:  # ended meanwhile, or re-claimed by another instance
+            await store.delete(index_key)
+            continue
+        value = json.dumps(closed_record, separators=(",", ":")).encode()
+        lease = await retention.current()
+        if not await store.replace(
+            record_key, raw, value, lease, also=[Delete(index_key)], present=index_key
+        ):
+            continue  # another instance closed it first (or its owner wrote once more): not ours
+        closed += 1
+        log.warning(
+            "closed request %s of lost gateway instance %s (%s)",
+            request_id,
+            owner,
+            closed_record["phase"],
+        )
+        for lease_id in attempt_lease_ids(record):
+            with contextlib.suppress(StoreUnavailable):
+                await store.revoke_lease(Lease(lease_id, 0))
+    return closed
+
+
+class Ownership:
+    """This instance's owner lease, and the watch that closes the records of lost instances."""
+
+    def __init__(
+        self, store: EtcdStore, *, instance: str, ttl_seconds: int, retention_seconds: float
+    ) -> None:
+        self._store = store
+        self.instance = instance
+        self._ttl = ttl_seconds
+        self._retention = RetentionLeases(store, retention_seconds)
+        self._lease: Lease | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Take the owner lease (raises StoreUnavailable)."""
+        await self._take_lease()
+
+    def start_background(self) -> None:
+        """Keep the lease, watch the other instances' and sweep (streams: start after forking Envoy)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._keep_alive()),
+            loop.create_task(self._watch_owners()),
+            loop.create_task(self._sweep_periodically()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._lease is not None:
+            # A clean stop: whatever is still open is another instance's to close, now rather than in a TTL.
+            with contextlib.suppress(StoreUnavailable):
+                await self._store.revoke_lease(self._lease)
+
+    async def _take_lease(self) -> None:
+        self._lease = await self._store.grant_lease(self._ttl)
+        value = json.dumps({"instance": self.instance, "since": round(time.time(), 3)}).encode()
+        await self._store.put(keys.owner(self.instance), value, self._lease)
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                assert self._lease is not None
+                if await self._store.refresh_lease(self._lease) <= 0:
+                    # Lapsed (etcd unreachable past the TTL): others may have closed our open records. Take a
+                    # new lease under the same id; later writes of ours still say what really happened.
+                    log.error("owner lease of %s lapsed; taking a new one", self.instance)
+                    await self._take_lease()
+            except StoreUnavailable as exc:
+                log.warning("owner lease of %s not refreshed: %s", self.instance, exc)
+
+    async def _watch_owners(self) -> None:
+        async for key, value in self._store.watch_prefix(keys.OWNERS_PREFIX):
+            owner = key[len(keys.OWNERS_PREFIX) :]
+            if value is None and owner != self.instance:
+                await self._close(owner)
+
+    async def _sweep_periodically(self) -> None:
+        while True:
+            with contextlib.suppress(StoreUnavailable):
+                await self.sweep()
+            await asyncio.sleep(self._ttl * SWEEP_EVERY_TTLS)
+
+    async def sweep(self) -> int:
+        """Close the open records of every owner whose owner key is gone."""
+        live = {key[len(keys.OWNERS_PREFIX) :] for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
+        open_by_owner: dict[str, int] = defaultdict(int)
+        for key, _ in await self._store.get_prefix(keys.IN_FLIGHT_PREFIX):
+            open_by_owner[key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")[0]] += 1
+        closed = 0
+        for owner in open_by_owner:
+            if owner not in live and owner != self.instance:
+                closed += await self._close(owner)
+        return closed
+
+    async def _close(self, owner: str) -> int:
+        try:
+            return await close_lost_owner(self._store, self._retention, owner, self.instance)
+        except StoreUnavailable as exc:
+            log.warning("could not close the records of lost instance %s yet: %s", owner, exc)
+            return 0
