@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -116,7 +119,7 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.gather(*tasks)
         await _sample(counter, began, load.done)
         end_revision = await _revision(counter)
-        sizes = await _record_sizes(store)
+        sizes = await _record_sizes(endpoint)
         writes = (end_revision - start_revision) / max(1, load.done)
         live_bytes = sum(sizes) / max(1, len(sizes))
         print(f"\nrequests {load.done} at {args.rate}/s; etcd revisions per request {writes:.2f}")
@@ -149,8 +152,19 @@ async def _sample(counter: EtcdCounter, began: float, done: int) -> None:
     print(f"{elapsed:5.0f}  {done:8d}  {revision:>8}  {keys}  {db or 0:.1f}  {in_use or 0:.1f}", flush=True)
 
 
-async def _record_sizes(store: EtcdStore) -> list[int]:
-    return [len(value) for _, value in await store.get_prefix(f"{PREFIX}/requests/")]
+async def _record_sizes(endpoint: str, sample: int = 2000) -> list[int]:
+    """Sizes of up to `sample` live request records (etcd's JSON gateway: a whole range of thousands of
+    records is over gRPC's default message limit)."""
+    prefix = f"{PREFIX}/requests/"
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    body = {"key": _b64(prefix), "range_end": _b64(end), "limit": sample}
+    async with httpx.AsyncClient(timeout=10) as client:
+        answer = (await client.post(f"http://{endpoint}/v3/kv/range", json=body)).json()
+    return [len(base64.b64decode(kv.get("value", ""))) for kv in answer.get("kvs", [])]
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,11 +91,14 @@ class Sim:
             lambda: port_open("127.0.0.1", self.port), timeout=15, what=f"sim {self.name}", child=self.child
         )
 
-    def ensure_running(self) -> None:
+    def ensure_running(self) -> bool:
+        """Start it again if it is not running; returns whether it had to."""
         if self.child is None or not self.child.alive():
             if self.child is not None:
                 self.child.stop()
             self.start()
+            return True
+        return False
 
     def stop(self) -> None:
         if self.child is not None:
@@ -306,6 +309,39 @@ class Gateway:
         answer = envoy_admin(self.work / "gw" / "admin.sock", path, timeout=5)
         assert answer is not None and answer[0] == 200, answer
         return answer[1]
+
+    def wait_replicas_healthy(
+        self, replicas: Iterable[str], *, fresh: bool = False, timeout: float = 15.0
+    ) -> None:
+        """Until Envoy has every one of `replicas` (HOST:PORT) as a healthy host of the replica cluster
+        (after a test restarted one, or the registry re-announced it): a request, or a retry, must be able
+        to land on any of them. `fresh`: a replica was just restarted, so a health check that failed while
+        it was down may still count against it: wait for a round of passed checks after now as well."""
+        wanted = set(replicas)
+        passed_before = self._health_checks_passed() if fresh else 0
+
+        def all_healthy() -> bool:
+            healthy = set()
+            for line in self.envoy_admin("/clusters").decode().splitlines():
+                parts = line.split("::")
+                if (
+                    len(parts) == 4
+                    and parts[0] == "llm"
+                    and parts[2] == "health_flags"
+                    and parts[3] == "healthy"
+                ):
+                    healthy.add(parts[1])
+            if not wanted <= healthy:
+                return False
+            return not fresh or self._health_checks_passed() >= passed_before + len(wanted)
+
+        poll(all_healthy, timeout=timeout, what=f"Envoy sees {sorted(wanted)} healthy")
+
+    def _health_checks_passed(self) -> int:
+        for line in self.envoy_admin("/stats?filter=cluster.llm.health_check.success").decode().splitlines():
+            if line.startswith("cluster.llm.health_check.success:"):
+                return int(line.split(":")[1])
+        return 0
 
     def envoy_pid(self) -> int:
         return int((self.work / "gw" / "envoy.pid").read_text())

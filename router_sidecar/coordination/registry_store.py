@@ -160,12 +160,7 @@ class ReplicaRegistry:
         return replicas, int(result.header.revision)
 
     def _watch_client(self) -> Any:
-        import aetcd
-
-        host, _, port = self.store.endpoint.rpartition(":")
-        return aetcd.Client(
-            host=host, port=int(port), timeout=self.store._timeout, options=dict(CHANNEL_OPTIONS)
-        )
+        return self.store.new_client(dict(CHANNEL_OPTIONS))
 
     async def watch_replicas(
         self, *, retry_interval: float = 1.0, resync_interval: float = 10.0

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -168,17 +168,22 @@ class EtcdStore:
     """`Store` on etcd v3 through aetcd (asyncio, grpc.aio). Every call is bounded by `timeout`."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0) -> None:
-        import aetcd  # imported here so pure-logic users of this module need no etcd client
-
         self.endpoint = endpoint
         self._timeout = timeout
-        target = grpc_target(endpoint)
-        # aetcd dials f"{host}:{port}"; a multi-member target is split at its last colon to pass through.
-        host, _, port = target.rpartition(":")
+        self._target = grpc_target(endpoint)
         # Round robin over the members: load spreads, and a member that dies leaves the picker (its calls
         # fail with UNAVAILABLE, which callers retry) while the others keep serving.
-        options = {"grpc.lb_policy_name": "round_robin"} if "," in endpoint else None
-        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
+        self._channel_options = {"grpc.lb_policy_name": "round_robin"} if "," in endpoint else {}
+        self._client = self.new_client()
+
+    def new_client(self, options: dict[str, Any] | None = None) -> Any:
+        """A further aetcd client to the same members (e.g. one per watch session)."""
+        import aetcd  # imported here so pure-logic users of this module need no etcd client
+
+        # aetcd dials f"{host}:{port}"; a multi-member target is split at its last colon to pass through.
+        host, _, port = self._target.rpartition(":")
+        merged = {**self._channel_options, **(options or {})}
+        return aetcd.Client(host=host, port=int(port), timeout=self._timeout, options=merged or None)
 
     async def _call(self, awaitable: Awaitable[T]) -> T:
         try:

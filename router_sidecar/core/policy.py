@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,8 @@ import yaml
 __all__ = [
     "ADMISSION_MARGIN_SECONDS",
     "DEFAULT_POLICY",
+    "ROUTE_POLICY_KEYS",
+    "ROUTE_POLICY_METADATA",
     "AfterFirstDelta",
     "BeforeFirstDelta",
     "Budgets",
@@ -40,13 +43,17 @@ __all__ = [
     "Policy",
     "PolicyError",
     "PolicyKey",
+    "RouteOverlay",
+    "RoutePolicies",
     "TenancyPolicy",
     "ToolsPolicy",
     "UncertainLiveness",
     "load_policy",
+    "load_route_policies",
     "policy_from_mapping",
     "policy_keys",
     "policy_to_mapping",
+    "route_policy",
 ]
 
 RETRY: Final = "retry_prefill_on_healthy_replica"
@@ -71,6 +78,7 @@ class PolicyError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"policy: {path}: {message}" if path else f"policy: {message}")
         self.path = path
+        self.message = message
 
 
 # --- the schema vocabulary --------------------------------------------------------------------
@@ -777,11 +785,169 @@ def load_policy(path: str | None) -> Policy:
     """Load and validate a policy file; None gives :data:`DEFAULT_POLICY`."""
     if path is None:
         return DEFAULT_POLICY
+    return policy_from_mapping(_policy_part(_load_document(path)))
+
+
+def load_route_policies(path: str | None, base: Policy) -> tuple[RouteOverlay, ...]:
+    """The `routes:` of a policy file (see policy.example.yaml), each validated over `base`."""
+    document = _load_document(path)
+    raw = document.get("routes", []) if isinstance(document, Mapping) else []
+    if not isinstance(raw, list):
+        raise PolicyError("routes", "is a list of {name, match: {header, value}, policy}")
+    overlays: list[RouteOverlay] = []
+    for index, entry in enumerate(raw):
+        where = f"routes[{index}]"
+        given = _mapping(entry, where, ("name", "match", "policy"))
+        name, match = given.get("name"), _mapping(given.get("match"), f"{where}.match", ("header", "value"))
+        if not isinstance(name, str) or not _ROUTE_NAME.fullmatch(name):
+            raise PolicyError(f"{where}.name", "is 1-63 characters of a-z 0-9 _ - (the Envoy route's name)")
+        header, value = match.get("header"), match.get("value")
+        if not isinstance(header, str) or not _HEADER_NAME.fullmatch(header) or not isinstance(value, str):
+            raise PolicyError(
+                f"{where}.match", "is {header: a lower-case header name, value: its exact value}"
+            )
+        try:
+            policy = route_policy(base, given.get("policy"))
+        except PolicyError as exc:
+            path = f"{where}.policy" + (f".{exc.path}" if exc.path else "")
+            raise PolicyError(path, exc.message) from exc
+        if any(o.name == name for o in overlays):
+            raise PolicyError(f"{where}.name", f"{name!r} is used twice")
+        overlays.append(RouteOverlay(name, header, value, dict(given["policy"]), policy))
+    return tuple(overlays)
+
+
+def _load_document(path: str | None) -> Any:
+    if path is None:
+        return None
     try:
         with open(path, encoding="utf-8") as f:
-            doc = yaml.load(f, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+            return yaml.load(f, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except OSError as exc:
         raise PolicyError("", f"cannot read {path}: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise PolicyError("", f"{path} is not valid YAML: {exc}") from exc
-    return policy_from_mapping(doc)
+
+
+def _policy_part(document: Any) -> Any:
+    """The document without its `routes:` (read by :func:`load_route_policies`)."""
+    if isinstance(document, Mapping) and "routes" in document:
+        return {k: v for k, v in document.items() if k != "routes"}
+    return document
+
+
+# --- per-route policy -------------------------------------------------------------------------
+#
+# A route of the gateway's Envoy config may carry an overlay of the policy (JSON, in the gRPC initial
+# metadata Envoy sends with the route's ext_proc stream: ExtProcPerRoute.overrides.grpc_initial_metadata).
+# Only what the sidecar decides per request can differ by route; what is rendered into Envoy's listener or
+# cluster, or shared by every request of the gateway, cannot.
+
+ROUTE_POLICY_METADATA: Final = "x-router-sidecar-policy"
+_ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+_HEADER_NAME = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOverlay:
+    """A route of the gateway's own Envoy config with its policy (policy file `routes:`)."""
+
+    name: str
+    header: str  # requests carrying this header with this exact value take the route
+    value: str
+    overlay: Mapping[str, Any]  # as written: sent to the sidecar by Envoy with the route's ext_proc stream
+    policy: Policy  # the effective policy of the route
+
+
+ROUTE_POLICY_KEYS: Final = ("on_upstream_failure", "reprefill_cost_cap", "deadlines.request_seconds")
+
+
+def route_policy(base: Policy, overlay: Any) -> Policy:
+    """`overlay` (the policy file's shape, per-request keys only) applied over the gateway's effective
+    policy and validated as a whole. Raises PolicyError naming the key."""
+    if not isinstance(overlay, Mapping) or not overlay:
+        raise PolicyError("", "a route's policy is a non-empty mapping in the policy file's shape")
+    for path in _overlay_paths(overlay, ""):
+        if not any(path == key or path.startswith(key + ".") for key in ROUTE_POLICY_KEYS):
+            raise PolicyError(
+                path,
+                "is gateway-wide (rendered into Envoy's listener or cluster, or shared by every request): "
+                f"set it in the gateway's policy; a route may set {', '.join(ROUTE_POLICY_KEYS)}",
+            )
+    policy = policy_from_mapping(_merged(_as_written(base), overlay))
+    if policy.deadlines.request_seconds > base.deadlines.request_seconds:
+        raise PolicyError(
+            "deadlines.request_seconds",
+            f"({_num(policy.deadlines.request_seconds)}) exceeds the gateway's "
+            f"({_num(base.deadlines.request_seconds)}): Envoy's own timeouts are rendered from the gateway's",
+        )
+    return policy
+
+
+class RoutePolicies:
+    """The policy of each route overlay seen so far (parsed and validated once per distinct text)."""
+
+    def __init__(self, base: Policy, max_entries: int = 256) -> None:
+        self.base = base
+        self._max_entries = max_entries  # overlays come from the Envoy config: a handful, never unbounded
+        self._known: dict[str, Policy | PolicyError] = {}
+
+    def get(self, text: str | None) -> Policy:
+        """The policy for a route's overlay text (None or empty: the gateway's). Raises PolicyError."""
+        if not text:
+            return self.base
+        found = self._known.get(text)
+        if found is None:
+            found = self._parse(text)
+            if len(self._known) < self._max_entries:
+                self._known[text] = found
+        if isinstance(found, PolicyError):
+            raise found
+        return found
+
+    def _parse(self, text: str) -> Policy | PolicyError:
+        try:
+            overlay = yaml.load(text, Loader=_StrictLoader)  # JSON is YAML
+        except yaml.YAMLError as exc:
+            return PolicyError("", f"a route's policy is not valid JSON/YAML: {exc}")
+        try:
+            return route_policy(self.base, overlay)
+        except PolicyError as exc:
+            return exc
+
+
+def _as_written(policy: Policy) -> dict[str, Any]:
+    """The policy's mapping without the keys whose value is what their rule derives (e.g. `then` following
+    `action`), so that an overlay changing the rule's inputs gets them derived again."""
+    mapping = policy_to_mapping(policy)
+    for key in policy_keys():
+        rule = key.spec.default_for
+        *parents, leaf = key.path.split(".")
+        value: Any = policy
+        for part in key.path.split("."):
+            value = getattr(value, part)
+        if rule is not None and value == rule(policy, key.default):
+            section = mapping
+            for part in parents:
+                section = section[part]
+            del section[leaf]
+    return mapping
+
+
+def _overlay_paths(overlay: Mapping[str, Any], path: str) -> Iterator[str]:
+    for key, value in overlay.items():
+        where = _join(path, str(key))
+        if isinstance(value, Mapping) and value:
+            yield from _overlay_paths(value, where)
+        else:
+            yield where
+
+
+def _merged(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out

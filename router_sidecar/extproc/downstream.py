@@ -27,6 +27,7 @@ from router_sidecar.core import request as r
 from router_sidecar.core import views
 from router_sidecar.core.attempt import FailRequest
 from router_sidecar.core.openai_api import RequestRejected
+from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.discovery import choose_pin, pin_metadata, why_no_compatible_replica
@@ -142,9 +143,10 @@ class Inference(PassThrough):
     """An admitted inference request: admission at its body, then its response through the machine."""
 
     def __init__(
-        self, services: Services, writer: _Writer, route: Route, request_id: str, tenant: str
+        self, services: Services, writer: _Writer, route: Route, request_id: str, tenant: str, policy: Policy
     ) -> None:
         self._services = services
+        self._policy = policy  # the gateway's, or its route's overlay of it
         self._writer = writer
         self._route = route
         self._request_id = request_id
@@ -156,8 +158,7 @@ class Inference(PassThrough):
     # --- admission -------------------------------------------------------------------------------------
 
     async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
-        services, request_id = self._services, self._request_id
-        policy = services.policy
+        services, request_id, policy = self._services, self._request_id, self._policy
         assert self._route.api is not None
         try:
             parsed = await services.parser.parse(
@@ -376,11 +377,13 @@ class DownstreamStream:
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
         writer = _Writer(context)
+        # The route's policy overlay, if its Envoy route carries one (ExtProcPerRoute initial metadata).
+        route_policy = dict(context.invocation_metadata() or ()).get(ROUTE_POLICY_METADATA)
         first = await context.read()
         if first is grpc.aio.EOF:
             return
         if first.WhichOneof("request") == "request_headers":
-            processor, reply = await self._choose(first.request_headers, writer)
+            processor, reply = await self._choose(first.request_headers, writer, route_policy)
             await writer.write(reply)
             pending = None
         else:
@@ -409,7 +412,7 @@ class DownstreamStream:
             processor.on_stream_end()
 
     async def _choose(
-        self, message: m.ep.HttpHeaders, writer: _Writer
+        self, message: m.ep.HttpHeaders, writer: _Writer, route_policy: str | None = None
     ) -> tuple[PassThrough, m.ProcessingResponse]:
         services = self._services
         pairs = m.header_pairs(message)
@@ -481,13 +484,24 @@ class DownstreamStream:
                 None,
             )
         request_id = key or new_request_id()
+        try:
+            policy = services.route_policies.get(route_policy)
+        except PolicyError as exc:
+            log.error("the route's policy overlay is invalid: %s", exc)
+            return PassThrough(), _error(
+                500,
+                "invalid_route_policy",
+                f"this route's policy (Envoy route config, {ROUTE_POLICY_METADATA}) is invalid: {exc}; "
+                "the gateway's operator must fix it",
+                request_id,
+            )
         if message.end_of_stream:
             return PassThrough(), _error(
                 400, "invalid_json", "the request has no body; send a JSON object", request_id
             )
         strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
-        return Inference(services, writer, route, request_id, tenant), reply
+        return Inference(services, writer, route, request_id, tenant, policy), reply
 
     async def _probe(self, probe: Probe | None) -> m.ProcessingResponse:
         """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -17,7 +18,7 @@ from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import EtcdStore, Store
 from router_sidecar.coordination.tenancy import load_tenant_secret
 from router_sidecar.coordination.tool_ledger import ToolLedger
-from router_sidecar.core.policy import Policy
+from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.discovery import EndpointDiscovery
 from router_sidecar.extproc.downstream import DownstreamStream
@@ -30,6 +31,7 @@ from router_sidecar.wire import services as wire_services
 log = logging.getLogger(__name__)
 
 PLACEMENT_METADATA = "x-router-sidecar-placement"
+STOP_PART_SECONDS = 3.0
 
 
 class ExternalProcessor:
@@ -113,6 +115,7 @@ class SidecarServer:
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self.services = services = Services(
             policy=policy,
+            route_policies=RoutePolicies(policy),
             store=store,
             registry=self.registry,
             journal=self.journal,
@@ -156,8 +159,13 @@ class SidecarServer:
     async def stop(self, grace: float = 1.0) -> None:
         await self._server.stop(grace)
         self.services.parser.stop()
-        await self.liveness.stop()
-        await self.progress.stop()
-        await self.leases.stop()
+        parts = [self.liveness.stop(), self.progress.stop(), self.leases.stop()]
         if self.ownership is not None:
-            await self.ownership.stop()
+            parts.append(self.ownership.stop())
+        for part in parts:
+            # A watch stream that etcd (or the client library) never lets go of must not keep the process
+            # from exiting: each part gets a bounded time.
+            try:
+                await asyncio.wait_for(part, STOP_PART_SECONDS)
+            except TimeoutError:
+                log.warning("a background part did not stop within %ss; exiting anyway", STOP_PART_SECONDS)

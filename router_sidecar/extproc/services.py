@@ -10,7 +10,7 @@ from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.store import Store
 from router_sidecar.coordination.tool_ledger import ToolLedger
-from router_sidecar.core.policy import Policy
+from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
 
@@ -18,6 +18,7 @@ from router_sidecar.extproc.registry import Registry
 @dataclass(slots=True)
 class Services:
     policy: Policy
+    route_policies: RoutePolicies  # a route's policy: `policy` with the overlay Envoy sends for the route
     store: Store  # etcd: asked directly only by the readiness probe
     registry: Registry  # live logical requests: where the two filter placements meet
     journal: Journal

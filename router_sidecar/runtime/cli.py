@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from router_sidecar.core.policy import Policy, PolicyError, load_policy
+from router_sidecar.core.policy import Policy, PolicyError, RouteOverlay, load_policy, load_route_policies
 from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
 
 ETCD_HELP = "etcd HOST:PORT, or every member of a cluster as IP:PORT,IP:PORT,..."
@@ -142,11 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_async(replica_main(args))
     try:
         policy = load_policy(args.config)
+        routes = load_route_policies(args.config, policy)
     except (PolicyError, OSError) as exc:
         print(f"error: invalid policy {args.config}: {exc}", file=sys.stderr)
         return 2
     if args.command == "envoy-config":
-        return _envoy_config(args, policy)
+        return _envoy_config(args, policy, routes)
     from router_sidecar.runtime.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
 
     try:
@@ -160,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 policy=policy,
                 work_dir=Path(args.work_dir) if args.work_dir else None,
                 tools=tuple(args.tool),
+                routes=routes,
             )
             return _run_async(run_gateway(options))
         return _run_async(run_sidecar_only(args.bind, args.etcd, policy, tuple(args.replica)))
@@ -170,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _envoy_config(args: argparse.Namespace, policy: Policy) -> int:
+def _envoy_config(args: argparse.Namespace, policy: Policy, routes: tuple[RouteOverlay, ...]) -> int:
     from pathlib import Path
 
     from router_sidecar.runtime.envoy_config import GatewaySpec, render
@@ -184,6 +186,7 @@ def _envoy_config(args: argparse.Namespace, policy: Policy) -> int:
             admin_socket=Path(args.admin_socket),
             tools=tuple(args.tool),
             policy=policy,
+            routes=routes,
         )
     )
     if args.output:

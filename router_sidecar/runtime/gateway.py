@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
-from router_sidecar.core.policy import Policy
+from router_sidecar.core.policy import Policy, RouteOverlay
 from router_sidecar.extproc.server import SidecarServer
 from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render, validate
 from router_sidecar.runtime.supervise import (
@@ -44,6 +44,7 @@ class GatewayOptions:
     policy: Policy
     work_dir: Path | None = None
     tools: tuple[tuple[str, Endpoint], ...] = ()
+    routes: tuple[RouteOverlay, ...] = ()
     envoy_log_level: str = "warn"
 
 
@@ -91,6 +92,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             admin_socket=work_dir / "admin.sock",
             tools=options.tools,
             policy=options.policy,
+            routes=options.routes,
         )
         config_path = work_dir / "envoy.yaml"
         config_path.write_text(render(spec))

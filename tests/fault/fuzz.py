@@ -391,6 +391,11 @@ class Environment:
                 missing = [n for n, s in self.sims.items() if not self.registered(s)]
                 raise EnvironmentBroken(f"replicas {missing} not registered again within {timeout}s")
             time.sleep(POLL)
+        # Registered is not yet routable: Envoy learns of it over EDS from the sidecar a moment later.
+        try:
+            self.gw.wait_replicas_healthy((s.endpoint for s in self.sims.values()), timeout=timeout)
+        except AssertionError as exc:
+            raise EnvironmentBroken(f"Envoy does not route to every replica again: {exc}") from exc
 
 
 # --- one trial ------------------------------------------------------------------------------------------

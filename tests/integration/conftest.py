@@ -23,8 +23,12 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sim]]:
 def _replicas_running(request: pytest.FixtureRequest) -> None:
     # A test may kill a replica on purpose; the next one starts with every replica up again.
     if "sims" in request.fixturenames:
-        for sim in request.getfixturevalue("sims").values():
-            sim.ensure_running()
+        sims = request.getfixturevalue("sims")
+        restarted = [sim.ensure_running() for sim in sims.values()]
+        if "gateway" in request.fixturenames:
+            request.getfixturevalue("gateway").wait_replicas_healthy(
+                (s.endpoint for s in sims.values()), fresh=any(restarted)
+            )
 
 
 @pytest.fixture(scope="module")

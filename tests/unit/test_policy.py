@@ -132,6 +132,7 @@ def test_empty_means_defaults(m: Any) -> None:
 def test_example_file_is_the_defaults_and_shows_every_key() -> None:
     assert load_policy(str(EXAMPLE)) == DEFAULT_POLICY
     doc = yaml.safe_load(EXAMPLE.read_text())
+    assert doc.pop("routes") == []  # per-route overlays: none by default (tests/unit/test_route_policy.py)
     assert doc == policy_to_mapping(DEFAULT_POLICY)
 
 
