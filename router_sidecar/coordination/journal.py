@@ -49,6 +49,11 @@ WRITE_RETRIES = 130
 WRITE_RETRY_MAX_SECONDS = 5.0
 
 
+class RecordTaken(StoreUnavailable):
+    """The record was closed by another gateway instance, which took this one for lost (its owner lease
+    lapsed): this instance no longer writes it."""
+
+
 class ClaimConflict(Exception):
     """The request id is already taken by a logical request that may not be re-run."""
 
@@ -77,6 +82,7 @@ class _Entry:
         "head_size",
         "in_flight_indexed",
         "lock",
+        "lost",
         "released",
         "tail",
         "written",
@@ -95,6 +101,7 @@ class _Entry:
         self.failures = 0  # consecutive failed writes (etcd unreachable)
         self.released = False  # the request left this gateway: drop the entry once it is written
         self.in_flight_indexed = False  # its in-flight index entry exists (claimed, not yet terminal)
+        self.lost = False  # another instance closed the record (RecordTaken): write nothing more
         self.written_at = time.monotonic()  # last write sent (progress writes are spaced from it)
         self.written = b""  # what the last write said (less its time): the same again is not rewritten
 
@@ -151,6 +158,9 @@ class Journal:
         value = _stamped(content)
         lease = await self._leases.current()
         index = self._index_ops(request, lease)
+        # Only once etcd confirmed the create: a write conditional on an entry that never came to be would be
+        # refused for good. (If etcd took it but its answer was lost, the entry outlives the request until a
+        # sweep after this instance is gone, or its retention: harmless.)
         existing = await self._store.create(key, value, lease, also=index)
         if existing is None:
             entry.in_flight_indexed, entry.written = bool(index), content
@@ -181,9 +191,12 @@ class Journal:
             await self._put(request, entry)
 
     def update(self, request: LogicalRequest) -> None:
-        """Take the request's new events (stamped now) and, if a progress write is due, persist in the
-        background (coalesced; errors are logged, not raised). Otherwise the next write carries them."""
-        entry = self._entry(request)
+        """Take the request's new events (stamped now); persist in the background (coalesced; errors are
+        logged, not raised) if a progress write is due. Otherwise the next write carries them. Nothing once
+        the request was released (a placement's late news about a finished request)."""
+        entry = self._entries.get(request)
+        if entry is None:
+            return
         self._take_events(request, entry)
         if self._progress_due(request, entry):
             self._schedule(request, entry)
@@ -197,6 +210,8 @@ class Journal:
             async with entry.lock:
                 entry.dirty = False
                 await self._put(request, entry)
+        except RecordTaken:
+            pass  # logged; the record is another instance's now
         except StoreUnavailable as exc:
             log.error(
                 "journal: could not record the end of request %s (will retry): %s", request.request_id, exc
@@ -213,8 +228,9 @@ class Journal:
         """A chunk went out: rewrite the record if its progress interval has passed (cheap otherwise)."""
         if self._progress_interval > 0:
             entry = self._entries.get(request)
-            if entry is not None and time.monotonic() - entry.written_at >= self._progress_interval:
-                self.update(request)
+            if entry is not None and self._progress_due(request, entry):
+                self._take_events(request, entry)
+                self._schedule(request, entry)
 
     def _progress_due(self, request: LogicalRequest, entry: _Entry) -> bool:
         return (
@@ -244,6 +260,8 @@ class Journal:
             try:
                 await self._put(request, entry)
                 entry.failures = 0
+            except RecordTaken:
+                pass  # logged; nothing more is written
             except StoreUnavailable as exc:
                 # etcd is away (restarting, partitioned): the record's latest state is written when it is
                 # back, or the record would stay at whatever phase the last write that got through said.
@@ -263,16 +281,27 @@ class Journal:
             self._entries.pop(request, None)
 
     async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
+        if entry.lost:
+            return
+        entry.written_at = time.monotonic()  # also when nothing is new: progress writes stay spaced
         content = self._content(request, entry)
         ends = entry.in_flight_indexed and request.phase in TERMINAL_PHASES
         if content == entry.written and not ends:
-            return  # e.g. the end seen from both placements: nothing new to say
-        entry.written_at = time.monotonic()
+            return  # nothing new to say
         value = _stamped(content)
         also = [Delete(self._index_key(request))] if ends else []
-        await self._store.put(
-            keys.request(request.tenant, request.request_id), value, await self._leases.current(), also=also
-        )
+        # While its index entry exists the record is ours; once another instance closed it (and removed the
+        # entry), writing would reopen or contradict what it recorded.
+        present = self._index_key(request) if entry.in_flight_indexed else None
+        key = keys.request(request.tenant, request.request_id)
+        if not await self._store.put(key, value, await self._leases.current(), also=also, present=present):
+            entry.lost, entry.in_flight_indexed = True, False
+            log.error(
+                "journal: request %s was closed by another gateway instance (this one was taken for lost); "
+                "its record stays as that instance wrote it",
+                request.request_id,
+            )
+            raise RecordTaken(f"request {request.request_id} was closed by another gateway instance")
         entry.written = content
         if ends:
             entry.in_flight_indexed = False

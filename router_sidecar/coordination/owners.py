@@ -65,10 +65,17 @@ async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str,
             continue
         value = json.dumps(closed_record, separators=(",", ":")).encode()
         lease = await retention.current()
-        if not await store.replace(
-            record_key, raw, value, lease, also=[Delete(index_key)], present=index_key
-        ):
-            continue  # another instance closed it first (or its owner wrote once more): not ours
+        closing = await store.replace(
+            record_key,
+            raw,
+            value,
+            lease,
+            also=[Delete(index_key)],
+            present=index_key,
+            absent=keys.owner(owner),
+        )
+        if not closing:
+            continue  # closed by another instance first, written once more by its owner, or the owner is back
         closed += 1
         log.warning(
             "closed request %s of lost gateway instance %s (%s)",
@@ -96,17 +103,15 @@ class Ownership:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Take the owner lease (raises StoreUnavailable)."""
+        """Take the owner lease (raises StoreUnavailable) and keep it alive from now on: the gateway's own
+        start (validating and starting Envoy) may take longer than its TTL."""
         await self._take_lease()
+        self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
 
     def start_background(self) -> None:
-        """Keep the lease, watch the other instances' and sweep (streams: start after forking Envoy)."""
+        """Watch the other instances and sweep (a watch is a stream: start it after forking Envoy)."""
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._keep_alive()),
-            loop.create_task(self._watch_owners()),
-            loop.create_task(self._sweep_periodically()),
-        ]
+        self._tasks += [loop.create_task(self._watch_owners()), loop.create_task(self._sweep_periodically())]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -151,10 +156,12 @@ class Ownership:
 
     async def sweep(self) -> int:
         """Close the open records of every owner whose owner key is gone."""
-        live = {key[len(keys.OWNERS_PREFIX) :] for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
+        # The index first: an instance that starts after it was read cannot be taken for lost (its entries
+        # are not in this read), and closing also requires its owner key to be absent at that moment.
         open_by_owner: dict[str, int] = defaultdict(int)
         for key, _ in await self._store.get_prefix(keys.IN_FLIGHT_PREFIX):
             open_by_owner[key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")[0]] += 1
+        live = {key[len(keys.OWNERS_PREFIX) :] for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
         closed = 0
         for owner in open_by_owner:
             if owner not in live and owner != self.instance:

@@ -101,12 +101,23 @@ class Store(Protocol):
         *,
         also: Also = (),
         present: str | None = None,
+        absent: str | None = None,
     ) -> bool:
-        """Write `value` only if `key` still holds `expected` (and the key `present`, if given, exists).
-        Returns whether it was written."""
+        """Write `value` only if `key` still holds `expected` (and the key `present`, if given, exists, and
+        the key `absent`, if given, does not). Returns whether it was written."""
         ...
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None: ...
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
+        """Write `value` (only if the key `present`, if given, exists). Returns whether it was written."""
+        ...
 
     async def get(self, key: str) -> bytes | None: ...
 
@@ -234,12 +245,15 @@ class EtcdStore:
         *,
         also: Also = (),
         present: str | None = None,
+        absent: str | None = None,
     ) -> bool:
         k = key.encode()
         tx = self._client.transactions
         compare = [tx.value(k) == expected]
         if present is not None:
             compare.append(tx.version(present.encode()) > 0)
+        if absent is not None:
+            compare.append(tx.version(absent.encode()) == 0)
         ok, _ = await self._call(
             self._client.transaction(
                 compare=compare,
@@ -249,18 +263,27 @@ class EtcdStore:
         )
         return bool(ok)
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
-        if not also:
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
+        if not also and present is None:
             await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
-            return
+            return True
         tx = self._client.transactions
-        await self._call(
+        ok, _ = await self._call(
             self._client.transaction(
-                compare=[],
+                compare=[tx.version(present.encode()) > 0] if present is not None else [],
                 success=[tx.put(key.encode(), value, lease=lease.id if lease else None), *self._ops(also)],
                 failure=[],
             )
         )
+        return bool(ok)
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         result = await self._call(self._client.get_prefix(prefix.encode()))
@@ -364,16 +387,30 @@ class MemoryStore:
         *,
         also: Also = (),
         present: str | None = None,
+        absent: str | None = None,
     ) -> bool:
         if self.data.get(key) != expected or (present is not None and present not in self.data):
+            return False
+        if absent is not None and absent in self.data:
             return False
         self.data[key] = value
         self._apply(also)
         return True
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
+        if present is not None and present not in self.data:
+            return False
         self.data[key] = value
         self._apply(also)
+        return True
 
     async def get(self, key: str) -> bytes | None:
         return self.data.get(key)

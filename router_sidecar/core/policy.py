@@ -881,7 +881,31 @@ def route_policy(base: Policy, overlay: Any) -> Policy:
             f"({_num(policy.deadlines.request_seconds)}) exceeds the gateway's "
             f"({_num(base.deadlines.request_seconds)}): Envoy's own timeouts are rendered from the gateway's",
         )
+    _only_tightens(base, policy)
     return policy
+
+
+def _only_tightens(base: Policy, route: Policy) -> None:
+    """A route is chosen by what a request carries (a header, a path), often by the caller: it may make
+    re-sending the input rarer or cheaper than the gateway's policy allows, never more frequent."""
+    why = "a route may only tighten the gateway's policy (requests choose their route)"
+    if route.retries_enabled and not base.retries_enabled:
+        raise PolicyError(f"{_BFD}.action", f"retries where the gateway's policy fails the request: {why}")
+    if route.before_first_delta.max_attempts > base.before_first_delta.max_attempts:
+        raise PolicyError(
+            f"{_BFD}.max_attempts",
+            f"({route.before_first_delta.max_attempts}) exceeds the gateway's "
+            f"({base.before_first_delta.max_attempts}): {why}",
+        )
+    if not base.before_first_delta.require <= route.before_first_delta.require:
+        missing = sorted(base.before_first_delta.require - route.before_first_delta.require)
+        raise PolicyError(f"{_BFD}.require", f"drops {', '.join(missing)}: {why}")
+    if route.reprefill_cost_cap.max_prompt_tokens > base.reprefill_cost_cap.max_prompt_tokens:
+        raise PolicyError(
+            "reprefill_cost_cap.max_prompt_tokens",
+            f"({route.reprefill_cost_cap.max_prompt_tokens}) exceeds the gateway's "
+            f"({base.reprefill_cost_cap.max_prompt_tokens}): {why}",
+        )
 
 
 class RoutePolicies:

@@ -44,8 +44,6 @@ INTERNAL_HEADERS = frozenset({"x-attempt-id", "x-fencing-token", "x-sim-replica"
 INFERENCE_STRIPPED = frozenset({"accept-encoding"})
 # How long a torn-down stream waits for Envoy's access-log entry that says who tore it down.
 ACCESS_LOG_WAIT_SECONDS = 1.0
-# The readiness probe waits this long for etcd (kubelet probes time out after 1 s by default).
-READY_PROBE_TIMEOUT_SECONDS = 0.8
 ANONYMOUS = "anonymous"
 
 
@@ -349,14 +347,16 @@ class Inference(PassThrough):
             live.stop_watching()
             if live.publisher_progress is not None:
                 services.progress.untrack(live.publisher_progress)
-            for attempt in request.attempts:  # whatever still holds a lease has finished publishing
-                lease = attempt.lease
-                if lease is not None and lease.revoked_at is None and lease.lease:
-                    await services.leases.release(lease)
-            # One write of the end, leases included; look-ups here see the live state until it is written.
-            await services.journal.finish(request)
-            services.registry.remove(live)
-            services.journal.release(request)
+            try:
+                for attempt in request.attempts:  # whatever still holds a lease has finished publishing
+                    lease = attempt.lease
+                    if lease is not None and lease.revoked_at is None and lease.lease:
+                        await services.leases.release(lease)
+                # One write of the end, leases included; look-ups here see the live state until it is written.
+                await services.journal.finish(request)
+            finally:
+                services.registry.remove(live)
+                services.journal.release(request)
 
 
 def _in_flight(request_id: str) -> m.ProcessingResponse:
@@ -507,11 +507,10 @@ class DownstreamStream:
         """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and
         (ready) etcd, without which no attempt can be journaled or fenced."""
         if probe is Probe.READY:
-            try:
-                await asyncio.wait_for(self._services.store.check(), READY_PROBE_TIMEOUT_SECONDS)
-            except (StoreUnavailable, TimeoutError) as exc:
-                return _error(503, "etcd_unreachable", f"not ready: etcd does not answer ({exc})", None)
-        return m.immediate(200, json.dumps({"status": "ok", "gateway": self._services.gateway_id}).encode())
+            problem = await self._services.readiness.check()
+            if problem is not None:
+                return _error(503, "etcd_unreachable", f"not ready: etcd does not answer ({problem})", None)
+        return m.immediate(200, b'{"status": "ok"}')
 
     async def _lookup(self, request_id: str | None, tenant: str) -> m.ProcessingResponse:
         not_found = _error(

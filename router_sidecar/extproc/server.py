@@ -14,6 +14,7 @@ from router_sidecar.coordination.journal import Journal
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.owners import Ownership, new_instance_id
 from router_sidecar.coordination.progress import ProgressMonitor
+from router_sidecar.coordination.readiness import Readiness
 from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import EtcdStore, Store
 from router_sidecar.coordination.tenancy import load_tenant_secret
@@ -116,7 +117,7 @@ class SidecarServer:
         self.services = services = Services(
             policy=policy,
             route_policies=RoutePolicies(policy),
-            store=store,
+            readiness=Readiness(store),
             registry=self.registry,
             journal=self.journal,
             ledger=ToolLedger(store, policy.tools),

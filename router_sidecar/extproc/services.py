@@ -8,7 +8,7 @@ from router_sidecar.coordination.fencing import AttemptLeases
 from router_sidecar.coordination.journal import Journal
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
-from router_sidecar.coordination.store import Store
+from router_sidecar.coordination.readiness import Readiness
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.parsing import RequestParser
@@ -19,7 +19,7 @@ from router_sidecar.extproc.registry import Registry
 class Services:
     policy: Policy
     route_policies: RoutePolicies  # a route's policy: `policy` with the overlay Envoy sends for the route
-    store: Store  # etcd: asked directly only by the readiness probe
+    readiness: Readiness  # whether etcd answers (the /readyz probe)
     registry: Registry  # live logical requests: where the two filter placements meet
     journal: Journal
     ledger: ToolLedger  # tool-call idempotency records

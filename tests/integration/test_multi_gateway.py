@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from router_testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
 from tests.harness import ClientResult, EtcdCluster, Gateway, Sim, chat, poll, post, with_credential
@@ -204,7 +205,9 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     closes the record it left open (interrupted / gateway_lost, the last journaled count), exactly once, and
     revokes the attempt's lease, so the attempt's key is gone too."""
     config = tmp_path / "policy.yaml"
-    config.write_text("leases:\n  owner_ttl_seconds: 2\njournal:\n  progress_interval_seconds: 0.2\n")
+    # A long attempt TTL: the attempt's lease can only be gone in time because the closer revoked it.
+    policy = {"leases": {"owner_ttl_seconds": 2, "attempt_ttl_seconds": 60}}
+    config.write_text(yaml.safe_dump({**policy, "journal": {"progress_interval_seconds": 0.2}}))
     doomed = Gateway(
         replicas=[s.endpoint for s in deployment.sims.values()],
         etcd=deployment.cluster.endpoints,
@@ -238,7 +241,7 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     assert 0 < record["delivered_output_tokens"] <= len(result.content_chunks()) + 1
     # The attempt's right to publish went with it: the closer revoked its lease (well before its TTL).
     lease_id = int(record["attempts"][-1]["lease"]["lease_id"], 16)
-    poll(lambda: _lease_ttl(deployment, lease_id) == -1, timeout=3, what="the attempt's lease revoked")
+    poll(lambda: _lease_ttl(deployment, lease_id) == -1, timeout=5, what="the attempt's lease revoked")
 
 
 def _lease_ttl(deployment: Deployment, lease_id: int) -> int:

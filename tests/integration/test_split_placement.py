@@ -7,6 +7,7 @@ The probes the Pod uses are answered through Envoy by the sidecar: /livez needs 
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -98,9 +99,17 @@ def test_serve_plus_rendered_envoy_serves_and_probes(own_etcd: tuple[Child, str]
         assert record["events"] == [] and record["trace"].startswith("omitted: clean completion")
         assert record["delivered_output_tokens"] == 6 and record["attempts"][0]["outcome"] == "completed"
 
+        # The end was written in one transaction with the removal of the request's in-flight index entry.
+        assert _count(etcd, "/router-sidecar/inflight/") == 0
+        assert _count(etcd, "/router-sidecar/owners/") == 1  # the sidecar's owner lease
+
         etcd_child.stop()
-        not_ready = httpx.get(f"{url}/readyz", timeout=5)
-        assert not_ready.status_code == 503, not_ready.text
+        # Readiness is checked at most once a second (probes come on the client listener too).
+        not_ready = poll(
+            lambda: (r := httpx.get(f"{url}/readyz", timeout=5)).status_code == 503 and r,
+            timeout=5,
+            what="/readyz to say etcd is gone",
+        )
         assert not_ready.json()["error"]["code"] == "etcd_unreachable"
         assert httpx.get(f"{url}/livez", timeout=5).status_code == 200  # no restart for an etcd outage
 
@@ -112,6 +121,16 @@ def test_serve_plus_rendered_envoy_serves_and_probes(own_etcd: tuple[Child, str]
             envoy.stop()
         sidecar.stop()
         sim.stop()
+
+
+def _count(etcd: str, prefix: str) -> int:
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    body = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
+    return int(httpx.post(f"http://{etcd}/v3/kv/range", json=body, timeout=5).json().get("count", 0))
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 def test_envoy_config_without_replicas_takes_them_from_the_sidecar() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.coordination.journal import ClaimConflict, Journal
+from router_sidecar.coordination.journal import ClaimConflict, Journal, RecordTaken
 from router_sidecar.coordination.store import Also, Lease, MemoryStore, keys
 from router_sidecar.core.attempt import (
     Failed,
@@ -58,11 +58,19 @@ class SlowStore(MemoryStore):
         await asyncio.sleep(0)
         return await super().create(key, value, lease, also=also)
 
-    async def put(self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()) -> None:
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        lease: Lease | None = None,
+        *,
+        also: Also = (),
+        present: str | None = None,
+    ) -> bool:
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         self.puts.append((key, json.loads(value)))
-        await super().put(key, value, lease, also=also)
+        return await super().put(key, value, lease, also=also, present=present)
 
 
 def request(
@@ -608,5 +616,44 @@ def test_without_an_instance_there_is_no_index() -> None:
         await j.claim(request())
         assert not [k for k in store.data if k.startswith(keys.IN_FLIGHT_PREFIX)]
         assert "owner" not in stored(store, "tenant-a", "idem-1")
+
+    run(go)
+
+
+def test_a_record_closed_by_another_instance_is_not_written_again() -> None:
+    async def go() -> None:
+        store = SlowStore()
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", instance="gw-1~0001")
+        r = request()
+        await j.claim(r)
+        released(r, "a1", "r")
+        # Another instance took this one for lost: it closed the record and removed the index entry.
+        closed = {**stored(store, "tenant-a", "idem-1"), "phase": "failed", "outcome": "gateway_lost"}
+        store.data[keys.request("tenant-a", "idem-1")] = json.dumps(closed).encode()
+        del store.data[keys.in_flight("gw-1~0001", "tenant-a", "idem-1")]
+        with pytest.raises(RecordTaken):
+            await j.write_ahead(r)
+        started(r)
+        chunk(r, CONTENT + FINISH + DONE_EVENT, True)
+        await j.finish(r)  # logged, not raised: the stream is over either way
+        await settle()
+        assert stored(store, "tenant-a", "idem-1")["outcome"] == "gateway_lost"
+        assert len(store.puts) == 1  # the refused write-ahead; nothing after it
+
+    run(go)
+
+
+def test_late_news_after_release_keeps_no_entry() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store)
+        r = request()
+        await j.claim(r)
+        _completed(r)
+        await j.finish(r)
+        j.release(r)
+        j.update(r)  # e.g. the upstream placement's fence proof arriving after the end
+        j.progress(r)
+        assert j._entries == {}
 
     run(go)

@@ -115,3 +115,43 @@ def test_closing_a_lost_owner_closes_each_open_record_exactly_once() -> None:
         assert await close_lost_owner(store, retention, OWNER, "gw-b~2") == 0
 
     asyncio.run(asyncio.wait_for(go(), 5))
+
+
+class InterleavingStore(MemoryStore):
+    """Yields between every call, so that concurrent closers really interleave their reads and writes."""
+
+    async def get(self, key: str) -> bytes | None:
+        await asyncio.sleep(0)
+        return await super().get(key)
+
+    async def replace(self, *args: Any, **kwargs: Any) -> bool:
+        await asyncio.sleep(0)
+        return await super().replace(*args, **kwargs)
+
+
+def test_concurrent_closers_close_each_record_once() -> None:
+    async def go() -> None:
+        store = InterleavingStore()
+        for n in range(5):
+            _seed(store, "t1", record(f"r{n}", "decode", first_delta=True, delivered=n))
+        retention = RetentionLeases(store, 3600)
+        closed = await asyncio.gather(
+            *(close_lost_owner(store, retention, OWNER, f"gw-{i}~x") for i in range(3))
+        )
+        assert sum(closed) == 5
+        for n in range(5):
+            events = json.loads(store.data[keys.request("t1", f"r{n}")])["events"]
+            assert [e["event"] for e in events].count("gateway_lost") == 1
+
+    asyncio.run(asyncio.wait_for(go(), 5))
+
+
+def test_an_owner_that_is_back_keeps_its_records() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        _seed(store, "t1", record("r1", "decode", first_delta=True))
+        store.data[keys.owner(OWNER)] = b"{}"  # its lease was taken again before the closer got there
+        assert await close_lost_owner(store, RetentionLeases(store, 3600), OWNER, "gw-b~2") == 0
+        assert json.loads(store.data[keys.request("t1", "r1")])["phase"] == "decode"
+
+    asyncio.run(asyncio.wait_for(go(), 5))

@@ -30,8 +30,11 @@ def test_an_overlay_changes_what_it_names_and_what_follows_from_it() -> None:
     assert strict.before_first_delta.max_attempts == 1
     assert strict.uncertain_source_liveness.then == "fail_request"
     assert strict.limits == DEFAULT_POLICY.limits and strict.budgets == DEFAULT_POLICY.budgets
-    more = route_policy(DEFAULT_POLICY, {"on_upstream_failure": {"before_first_delta": {"max_attempts": 3}}})
-    assert more.before_first_delta.max_attempts == 3 and more.retries_enabled
+    generous = route_policy(
+        DEFAULT_POLICY,
+        {"reprefill_cost_cap": {"max_prompt_tokens": 1000}, "deadlines": {"request_seconds": 60}},
+    )
+    assert generous.reprefill_cost_cap.max_prompt_tokens == 1000 and generous.retries_enabled
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,22 @@ def test_an_overlay_changes_what_it_names_and_what_follows_from_it() -> None:
         ({"deadlines": {"request_seconds": 900}}, "deadlines.request_seconds", "exceeds the gateway's"),
         ({"reprefill_cost_cap": {"max_prompt_tokens": 0}}, "reprefill_cost_cap.max_prompt_tokens", ">= 1"),
         ({}, "", "non-empty mapping"),
+        # Requests choose their route: a route may not make re-sending the input more frequent or costlier.
+        (
+            {"on_upstream_failure": {"before_first_delta": {"max_attempts": 3}}},
+            "on_upstream_failure.before_first_delta.max_attempts",
+            "only tighten",
+        ),
+        (
+            {"on_upstream_failure": {"before_first_delta": {"require": ["source_attempt_fenced"]}}},
+            "on_upstream_failure.before_first_delta.require",
+            "drops retry_budget_available",
+        ),
+        (
+            {"reprefill_cost_cap": {"max_prompt_tokens": 100000}},
+            "reprefill_cost_cap.max_prompt_tokens",
+            "only",
+        ),
         ([1], "", "non-empty mapping"),
     ],
 )
@@ -127,9 +146,9 @@ def test_each_route_is_rendered_before_the_catch_all_with_its_overlay(tmp_path: 
         [
             {"name": "strict", "match": {"header": "x-tier", "value": "strict"}, "policy": STRICT},
             {
-                "name": "patient",
-                "match": {"header": "x-tier", "value": "patient"},
-                "policy": {"on_upstream_failure": {"before_first_delta": {"max_attempts": 4}}},
+                "name": "cheap",
+                "match": {"header": "x-tier", "value": "cheap"},
+                "policy": {"reprefill_cost_cap": {"max_prompt_tokens": 1000}},
             },
         ],
     )
@@ -147,12 +166,12 @@ def test_each_route_is_rendered_before_the_catch_all_with_its_overlay(tmp_path: 
     config = yaml.safe_load(render(spec))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert [r.get("name") for r in routes] == [None, "strict", "patient", None]  # tools, ours, catch-all
+    assert [r.get("name") for r in routes] == [None, "strict", "cheap", None]  # tools, ours, catch-all
     assert routes[0]["match"] == {"prefix": "/tools/pay/"}
-    strict, patient, catch_all = routes[1], routes[2], routes[3]
+    strict, cheap, catch_all = routes[1], routes[2], routes[3]
     assert strict["match"]["headers"] == [{"name": "x-tier", "string_match": {"exact": "strict"}}]
     assert strict["route"]["retry_policy"]["num_retries"] == 0
-    assert patient["route"]["retry_policy"]["num_retries"] == 3
+    assert cheap["route"]["retry_policy"]["num_retries"] == 1
     assert catch_all["route"]["retry_policy"]["num_retries"] == 1
     assert strict["route"]["timeout"] == catch_all["route"]["timeout"]
     (metadata,) = strict["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
