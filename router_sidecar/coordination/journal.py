@@ -44,6 +44,8 @@ from router_sidecar.core.views import journal_view
 log = logging.getLogger(__name__)
 
 
+# After a request's end, what a placement learns late is still written for this long.
+LATE_NEWS_SECONDS = 10.0
 # A write that etcd did not take is retried with back-off, for about ten minutes.
 WRITE_RETRIES = 130
 WRITE_RETRY_MAX_SECONDS = 5.0
@@ -78,6 +80,7 @@ class _Entry:
         "dirty",
         "dropped",
         "failures",
+        "finished",
         "head",
         "head_size",
         "in_flight_indexed",
@@ -99,7 +102,8 @@ class _Entry:
         self.dropped = 0
         self.dirty = False
         self.failures = 0  # consecutive failed writes (etcd unreachable)
-        self.released = False  # the request left this gateway: drop the entry once it is written
+        self.released = False  # the request left this gateway: the entry goes after a grace period
+        self.finished = False  # its end was written: later news (a placement learning late) is written too
         self.in_flight_indexed = False  # its in-flight index entry exists (claimed, not yet terminal)
         self.lost = False  # another instance closed the record (RecordTaken): write nothing more
         self.written_at = time.monotonic()  # last write sent (progress writes are spaced from it)
@@ -198,13 +202,15 @@ class Journal:
         if entry is None:
             return
         self._take_events(request, entry)
-        if self._progress_due(request, entry):
+        if entry.finished or self._progress_due(request, entry):
             self._schedule(request, entry)
 
     async def finish(self, request: LogicalRequest) -> None:
         """The request's stream is over: write its final state now; if etcd does not take it, keep trying
-        in the background (the record would otherwise stay at whatever the last write said)."""
+        in the background (the record would otherwise stay at whatever the last write said). What the other
+        placement learns later (e.g. that its release lost a race with a reset) is written as it comes."""
         entry = self._entry(request)
+        entry.finished = True
         self._take_events(request, entry)
         try:
             async with entry.lock:
@@ -240,13 +246,19 @@ class Journal:
         )
 
     def release(self, request: LogicalRequest) -> None:
-        """The request is done on this gateway: free its entry once its last write has gone out."""
+        """The request is done on this gateway: its entry goes after a grace period in which the other
+        placement's late news is still written (then nothing more is)."""
         entry = self._entries.get(request)
-        if entry is None:
+        if entry is None or entry.released:
             return
         entry.released = True
-        if not entry.dirty and not entry.lock.locked():
-            self._entries.pop(request, None)
+        asyncio.get_running_loop().call_later(LATE_NEWS_SECONDS, self._forget, request, entry)
+
+    def _forget(self, request: LogicalRequest, entry: _Entry) -> None:
+        if entry.dirty or entry.lock.locked():  # a write still going (or retrying): after it
+            asyncio.get_running_loop().call_later(LATE_NEWS_SECONDS, self._forget, request, entry)
+        elif self._entries.get(request) is entry:
+            del self._entries[request]
 
     async def lookup(self, tenant: str, request_id: str) -> dict[str, Any] | None:
         raw = await self._store.get(keys.request(tenant, request_id))
@@ -277,8 +289,6 @@ class Journal:
                     loop.call_later(delay, lambda: loop.create_task(self._flush(request, entry)))
                 else:
                     log.error("journal: gave up recording request %s: %s", request.request_id, exc)
-        if entry.released and not entry.dirty:
-            self._entries.pop(request, None)
 
     async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
         if entry.lost:

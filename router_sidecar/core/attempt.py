@@ -54,6 +54,7 @@ class FailureReason(enum.StrEnum):
     CONTENT_ENCODED = "content_encoding"  # a compressed body the gateway cannot read (it never asks for one)
     CONNECTION_LOST = "connection_lost"  # reset, refused, process exit: Envoy tore the attempt down
     ERROR_EVENT = "error_event"  # in-band `data: {"error": ...}` before any content
+    MALFORMED_EVENT = "malformed_event"  # an event that is not a JSON object before any content
     ABORTED = "aborted"  # finish_reason "abort" (engine shutting down) before any content
     ENDED_WITHOUT_DONE = "ended_without_done"  # clean end of body, but neither [DONE] nor a finish
     RESPONSE_TOO_LARGE = "response_too_large"  # more than limits.max_held_response_bytes before content
@@ -311,6 +312,9 @@ class Attempt:
         for event in events:
             if event.kind is EventKind.ERROR:
                 return self._fail(FailureReason.ERROR_EVENT, "in-band error event before any content")
+            if event.kind is EventKind.MALFORMED:
+                # Held, so the client saw none of it: a broken replica, retried like an in-band error.
+                return self._fail(FailureReason.MALFORMED_EVENT, "an event that is not a JSON object")
             if event.finish_reason == "abort":
                 return self._fail(FailureReason.ABORTED, "finish_reason abort before any content")
             if event.kind is EventKind.CONTENT:

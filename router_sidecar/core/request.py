@@ -493,7 +493,8 @@ class LogicalRequest:
 
     def _count(self, event: SseEvent) -> None:
         r = self._response
-        if event.kind is EventKind.CONTENT:
+        # Malformed bytes already on their way to the client cannot be proven empty: counted as content.
+        if event.kind is EventKind.CONTENT or event.kind is EventKind.MALFORMED:
             r.content_events += 1
             if self.phase is Phase.PREFILL:
                 self.phase = Phase.DECODE

@@ -40,6 +40,9 @@ class EventKind(enum.Enum):
     DONE = "done"  # data: [DONE]
     ERROR = "error"  # in-band error object (status was already 200)
     CONTENT = "content"  # a "first delta" candidate: user-visible content
+    # Not a JSON object (nor [DONE]): a broken replica. Held, it fails the attempt (the client saw nothing);
+    # once released, its bytes are counted as content (we cannot prove them empty).
+    MALFORMED = "malformed"
     NON_CONTENT = "non_content"  # role-only, empty delta, finish-only, usage-only, field-only
 
 
@@ -173,11 +176,15 @@ def _classify_by_json(payload: bytes) -> _Classified:
         # the first delta, a terminal frame after it), never forwarded to a client's JSON parser.
         return EventKind.ERROR, None, None
     except ValueError:  # invalid JSON, UnicodeDecodeError, NaN/Infinity (vLLM writes -Infinity logprobs)
-        obj = None
+        if payload[:1] == b"{" and payload[-1:] == b"}":
+            # An object a strict parser refuses (NaN, a 5000-digit int, invalid UTF-8 in a string): read its
+            # bytes as the fast path does. Where "error" sits cannot be told: only a leading one counts.
+            if _ERROR_FIRST_RE.match(payload):
+                return EventKind.ERROR, None, None
+            return (EventKind.CONTENT if _CONTENT_RE.search(payload) else EventKind.NON_CONTENT), None, None
+        return EventKind.MALFORMED, None, None
     if not isinstance(obj, dict):
-        # Bytes the client will see that we cannot prove empty: count them as content, which
-        # forbids a retry (safe) instead of risking two attempts' output in one stream.
-        return EventKind.CONTENT, None, None
+        return EventKind.MALFORMED, None, None
     usage: int | None = None
     u = obj.get("usage")
     if isinstance(u, dict):

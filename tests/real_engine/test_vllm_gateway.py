@@ -527,7 +527,12 @@ def test_api_server_sigterm_mid_stream_never_leaves_the_client_waiting(
     assert len(frames) <= 1, frames
     assert result.done_count() <= 1
     journal = terminal_journal(gateway, result.request_id, timeout=30)
-    assert len(journal["attempts"]) == 1, journal
+    # No second attempt after the SIGTERM. An earlier one may have failed before any content (a replica
+    # the previous test restarted can still count as lost to the sidecar's probe for a second): retried
+    # invisibly, which is the contract too.
+    *before, serving = journal["attempts"]
+    assert all(a["outcome"] == "failed" for a in before), journal
+    assert serving["replica"] == termed[0].endpoint, journal
     reasons = result.finish_reasons()
     assert not isinstance(result.error, TimeoutError | httpx.ReadTimeout), "the client was left waiting"
     if frames:  # abort, or a stall the health probe caught: one terminal frame, then [DONE]

@@ -643,17 +643,35 @@ def test_a_record_closed_by_another_instance_is_not_written_again() -> None:
     run(go)
 
 
-def test_late_news_after_release_keeps_no_entry() -> None:
+def test_late_news_is_written_until_the_entry_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("router_sidecar.coordination.journal.LATE_NEWS_SECONDS", 0.05)
+
     async def go() -> None:
-        store = MemoryStore()
+        store = SlowStore()
         j = journal(store)
         r = request()
         await j.claim(r)
-        _completed(r)
+        released(r, "a1", "r")
+        started(r)
+        chunk(r, CONTENT, False)
+        chunk(r, FINISH + DONE_EVENT, True)
         await j.finish(r)
         j.release(r)
-        j.update(r)  # e.g. the upstream placement's fence proof arriving after the end
-        j.progress(r)
-        assert j._entries == {}
+        writes = len(store.puts)
+        j.update(r)  # nothing new: not rewritten
+        await settle()
+        assert len(store.puts) == writes
+        # News after the end (here: a tool call the record lists) is written while the entry is kept.
+        r.tool_calls["k"] = {"key": "k"}
+        j.update(r)
+        await settle()
+        assert len(store.puts) == writes + 1 and stored(store, "tenant-a", "idem-1")["tool_calls"] == [
+            {"key": "k"}
+        ]
+        await asyncio.sleep(0.1)
+        assert j._entries == {}  # forgotten after the grace period: later news is not written
+        j.update(r)
+        await settle()
+        assert len(store.puts) == writes + 1
 
     run(go)

@@ -1208,3 +1208,18 @@ def test_event_names_retry_then_complete() -> None:
     assert events[4].detail == {"attempt_id": "att-2", "replica": "r2"}
     assert events[-1].detail == {"delivered_output_tokens": 12}
     assert request.drain_events() == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"data: this is not json\n\n", b"data: [1, 2]\n\n", b"data: \xff\xfe\n\n", b'data: "text"\n\n'],
+)
+def test_a_malformed_event_before_any_content_fails_the_attempt(payload: bytes) -> None:
+    # Held bytes the client never saw: a broken replica, retried, never released as if they were content
+    # (found by the hostile replica's garbage when the write-ahead beat the replica's close).
+    r = new_request()
+    attempt = begin(r, "a1", "r1")
+    attempt.handle(ResponseHeaders(200, SSE))
+    decisions = attempt.handle(ResponseBody(payload, False))
+    assert [type(d).__name__ for d in decisions] == ["Failed"]
+    assert attempt.failure is FailureReason.MALFORMED_EVENT and not attempt.first_delta

@@ -275,8 +275,9 @@ CASES: list[tuple[str, bytes, EventKind, str | None, int | None]] = [
     ("id only", b"id: 7\n\n", N, None, None),
     ("empty data", b"data:\n\n", N, None, None),
     ("data without colon", b"data\n\n", N, None, None),
-    ("not json: counted as visible", b"data: hello\n\n", C, None, None),
-    ("json list: counted as visible", b"data: [1, 2]\n\n", C, None, None),
+    # Not a JSON object: a broken replica (held: the attempt fails; released: counted as content).
+    ("not json: malformed", b"data: hello\n\n", EventKind.MALFORMED, None, None),
+    ("json list: malformed", b"data: [1, 2]\n\n", EventKind.MALFORMED, None, None),
     (
         "multi-line data",
         b'data: {"choices":[{"delta":\ndata: {"content":"hi"},\ndata: "finish_reason":"stop"}]}\n\n',
@@ -765,16 +766,22 @@ HOSTILE_EVENTS: dict[str, tuple[bytes, EventKind, str | None, int | None]] = {
         None,
         None,
     ),
-    # Python refuses to parse an int of over 4300 digits: unparseable, so counted as visible (safe side).
+    # Python refuses to parse an int of over 4300 digits: read by its bytes (no content key: not content).
     "5000-digit completion_tokens, json fallback": (
         b'data: {"choices":[],"usage":{"completion_tokens":'
         + b"9" * 5000
         + b'},"error":null,"x":{"error":1}}\n\n',
+        N,
+        None,
+        None,
+    ),
+    "NaN": (b'data: {"choices":[],"x":NaN,"y":{"error":1}}\n\n', N, None, None),
+    "NaN beside content": (
+        b'data: {"choices":[{"delta":{"content":"a"}}],"x":NaN,"y":{"error":1}}\n\n',
         C,
         None,
         None,
     ),
-    "NaN": (b'data: {"choices":[],"x":NaN,"y":{"error":1}}\n\n', C, None, None),
     "not utf-8": (b'data: {"choices":[{"delta":{"content":"\xff"}}],"y":{"error":1}}\n\n', C, None, None),
 }
 
