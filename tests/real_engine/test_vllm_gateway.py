@@ -222,10 +222,20 @@ def test_completions_stream_with_usage_passes_through_unchanged(
         "stream_options": {"include_usage": True},
     }
     reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/completions", body)
-    assert [shape(p) for p in result.payloads()][:2] == [shape(p) for p in reference][:2]
+    # vLLM coalesces tokens into fewer events when it runs ahead of its reader (a busy machine): how many
+    # text events there are, and which carries the finish, varies from run to run; their shape does not.
+    assert _unfinished(shape(result.payloads()[0])) == _unfinished(shape(reference[0]))
     assert [shape(p) for p in result.payloads()][-2:] == [shape(p) for p in reference][-2:]
     journal = terminal_journal(gateway, result.request_id)
     assert journal["phase"] == "completed" and journal["delivered_output_tokens"] == max_tokens
+
+
+def _unfinished(event_shape: Any) -> Any:
+    """An event's shape with its choices' finish_reason left out (None or a reason, by chunking)."""
+    if isinstance(event_shape, dict) and isinstance(event_shape.get("choices"), list):
+        choices = [{k: v for k, v in c.items() if k != "finish_reason"} for c in event_shape["choices"]]
+        return {**event_shape, "choices": choices}
+    return event_shape
 
 
 def test_streamed_tool_call_passes_through(
