@@ -607,6 +607,10 @@ def _batch(env: Environment, trial: TrialSpec, nonce: str) -> tuple[list[Evidenc
     return asyncio.run(env.gather(sent, done["outcomes"])), note
 
 
+PROBE_TRIES = 4
+PROBE_RETRY_SECONDS = 1.0
+
+
 async def _probe(env: Environment, nonce: str, seed: int) -> Evidence:
     spec = RequestSpec(0, "chat", True, False, 4, None, None, 0.0)
     rid = f"fz-{nonce}-{seed:08x}-health"
@@ -615,6 +619,18 @@ async def _probe(env: Environment, nonce: str, seed: int) -> Evidence:
         outcome = await send_request(client, env.gw.url, sent)
     [evidence] = await env.gather([sent], [outcome])
     return evidence
+
+
+def _probe_until_routed(env: Environment, nonce: str, seed: int) -> Evidence:
+    """The normal request after a trial. Envoy may report every replica healthy a moment before the
+    sidecar's next EDS answer puts them back in the load balancer (seen on a busy machine): "no healthy
+    replica" is asked again, a bounded number of times; any other answer is the verdict."""
+    for _ in range(PROBE_TRIES - 1):
+        evidence = asyncio.run(_probe(env, nonce, seed))
+        if outcome_kind(evidence) != "json_error:no_replica_available":
+            return evidence
+        time.sleep(PROBE_RETRY_SECONDS)  # the EDS push is not observable from here; bounded
+    return asyncio.run(_probe(env, nonce, seed))
 
 
 def run_trial(env: Environment, trial: TrialSpec, nonce: str) -> TrialResult:
@@ -626,7 +642,7 @@ def run_trial(env: Environment, trial: TrialSpec, nonce: str) -> TrialResult:
     violations = [v for ev in evidence for v in check_request(ev)]
     env.restore()
     alive = env.gw.proc.poll() is None
-    probe_evidence = asyncio.run(_probe(env, nonce, trial.seed)) if alive else None
+    probe_evidence = _probe_until_routed(env, nonce, trial.seed) if alive else None
     probe = GatewayProbe(
         sidecar_alive=alive,
         envoy_pid_before=envoy_before,
