@@ -187,6 +187,8 @@ class _Response:
     content_events: int = 0
     usage_tokens: int | None = None
     ended: bool = False
+    # The released attempt was lost before its first content passed here: the stream ends right after it.
+    publisher_lost: str | None = None
 
 
 class LogicalRequest:
@@ -381,6 +383,8 @@ class LogicalRequest:
                     self._count(event)
                     return self._terminate(events[: index + 1], "finish_reason abort after the first delta")
             self._count(event)
+        if r.publisher_lost is not None and self.phase is Phase.DECODE:
+            return self._terminate(events, r.publisher_lost)
         if r.scanner.oversized:
             limit = self.policy.limits.max_event_bytes
             return self._terminate(
@@ -423,10 +427,18 @@ class LogicalRequest:
     # --- the stream ended without our doing, or must be ended by us ------------------------------------
 
     def _publisher_lost(self, e: PublisherLost) -> Decision:
-        if self.phase is not Phase.DECODE or self._response.ended:
-            return NO_ACTION
-        self._emit(EventName.REPLICA_LOST, self.publisher.number if self.publisher else None, cause=e.cause)
+        r = self._response
+        publisher = self.publisher
+        if self.is_terminal or r.ended or r.publisher_lost is not None or publisher is None:
+            return NO_ACTION  # before any release the upstream placement answers for the attempt
+        self._emit(EventName.REPLICA_LOST, publisher.number, cause=e.cause)
         why = _PUBLISHER_LOST.get(e.cause, e.cause)
+        if self.phase is Phase.PREFILL:
+            # Released, but its first content has not passed here yet: it is on its way through Envoy (its
+            # response headers may not even have reached this filter, so nothing can be written to the
+            # client now). The stream ends right after the chunk that brings it.
+            r.publisher_lost = why
+            return NO_ACTION
         return self._terminate([], why)
 
     def _deadline(self) -> Decision:

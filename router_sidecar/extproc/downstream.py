@@ -268,9 +268,12 @@ class Inference(PassThrough):
             self._live.publisher_progress.received += len(chunk)
         publisher = request.publisher
         if publisher is not None and publisher.lease is not None and not publisher.lease.publishable():
-            # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end.
-            await self._end_with(request.handle(r.PublisherLost("lease_lost")))
-            return None
+            # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end. Before
+            # its first content passed here the machine ends the stream right after that content instead.
+            lost = request.handle(r.PublisherLost("lease_lost"))
+            if not isinstance(lost, r.NoAction):
+                await self._end_with(lost)
+                return None
         decision = request.handle(r.ResponseChunk(chunk, end_of_stream))
         self._services.journal.progress(request)
         if isinstance(decision, r.Forward):

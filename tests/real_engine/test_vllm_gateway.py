@@ -108,6 +108,15 @@ def terminal_journal(gateway: Gateway, request_id: str, timeout: float = 15.0) -
     )
 
 
+def serving_attempt(journal: dict[str, Any]) -> dict[str, Any]:
+    """The attempt that published. Earlier ones may have failed before any content (a replica a previous
+    test restarted can still count as lost to the sidecar's health probe for a moment, more so on a busy
+    machine): retried invisibly, which is the contract too. None may follow the one that published."""
+    *before, serving = journal["attempts"]
+    assert all(a["outcome"] == "failed" for a in before), journal
+    return serving
+
+
 def assert_one_attempt_content(result: Streamed) -> None:
     ids = result.content_ids()
     assert len(ids) <= 1, f"content from several attempts reached the client: {ids}"
@@ -185,7 +194,8 @@ def test_chat_stream_with_usage_passes_through_unchanged(
     assert event_kinds(got) == event_kinds(reference)
     assert shape(got[0]) == shape(reference[0]) and shape(got[-2]) == shape(reference[-2])
     journal = terminal_journal(gateway, result.request_id)
-    assert journal["phase"] == "completed" and len(journal["attempts"]) == 1
+    assert journal["phase"] == "completed"
+    serving_attempt(journal)
     assert journal["delivered_output_tokens"] == max_tokens
     assert journal["delivered_output_tokens_source"] == "usage"
 
@@ -282,19 +292,21 @@ def test_client_disconnect_aborts_the_request_in_vllm_and_starts_no_other(
     assert result.error is None and result.request_id
     journal = terminal_journal(gateway, result.request_id)
     assert journal["phase"] == "cancelled", journal
-    assert len(journal["attempts"]) == 1
+    serving_attempt(journal)
     served = replica_of(gateway, result.request_id, healthy_replicas)
     assert served is not None
+    # vLLM logs the abort when its API server notices the closed connection: seconds on a busy machine.
     poll(
         lambda: len(served.aborted_request_ids()) > aborted_before[served.name],
-        timeout=10,
+        timeout=45,
         what=f"vLLM {served.name} to log the request aborted",
     )
-    time.sleep(1.0)  # a wrongly started second attempt would show up in a log by now
+    time.sleep(1.0)  # a wrongly started later attempt would show up in a log by now
     received = {n: len(r.received_request_ids()) - received_before[n] for n, r in healthy_replicas.items()}
-    assert sum(received.values()) == 1 and received[served.name] == 1, received
-    others = [r for r in healthy_replicas.values() if r is not served]
-    assert all(len(r.aborted_request_ids()) == aborted_before[r.name] for r in others)
+    # One request per attempt (an attempt failed before content reached its replica, or never got there),
+    # and the one that served was the last.
+    assert sum(received.values()) <= len(journal["attempts"]) and received[served.name] >= 1, received
+    assert replica_of(gateway, result.request_id, healthy_replicas) is served
 
 
 # --------------------------------------------------------------------------- destructive faults
@@ -491,7 +503,8 @@ def test_frozen_vllm_mid_stream_is_lost_not_slow(
     assert result.payloads()[-1] == "[DONE]"
     assert ended_after < 15, f"the terminal frame came {ended_after:.1f}s after the freeze"
     journal = terminal_journal(gateway, result.request_id, timeout=30)
-    assert journal["phase"] == "interrupted" and len(journal["attempts"]) == 1, journal
+    assert journal["phase"] == "interrupted", journal
+    assert serving_attempt(journal)["replica"] == frozen[0].endpoint, journal
     assert journal["delivered_output_tokens"] == frames[0]["delivered_output_tokens"]
     print(f"\nreal_engine: frozen vLLM mid-stream -> terminal frame {ended_after:.1f}s after the freeze")
 
@@ -537,12 +550,8 @@ def test_api_server_sigterm_mid_stream_never_leaves_the_client_waiting(
     assert len(frames) <= 1, frames
     assert result.done_count() <= 1
     journal = terminal_journal(gateway, result.request_id, timeout=30)
-    # No second attempt after the SIGTERM. An earlier one may have failed before any content (a replica
-    # the previous test restarted can still count as lost to the sidecar's probe for a second): retried
-    # invisibly, which is the contract too.
-    *before, serving = journal["attempts"]
-    assert all(a["outcome"] == "failed" for a in before), journal
-    assert serving["replica"] == termed[0].endpoint, journal
+    # No attempt after the SIGTERM.
+    assert serving_attempt(journal)["replica"] == termed[0].endpoint, journal
     reasons = result.finish_reasons()
     assert not isinstance(result.error, TimeoutError | httpx.ReadTimeout), "the client was left waiting"
     if frames:  # abort, or a stall the health probe caught: one terminal frame, then [DONE]

@@ -879,6 +879,53 @@ def test_publisher_lost_before_the_first_delta_or_after_the_end() -> None:
     assert (done.phase, done.drain_events()) == (Phase.COMPLETED, [])
 
 
+@pytest.mark.parametrize("headers_first", [False, True])
+def test_publisher_lost_while_its_release_is_on_its_way(headers_first: bool) -> None:
+    """Lost after the release, before its first content passed the downstream filter (its headers may not
+    have reached it either): nothing can be written to the client yet, and the content must not be
+    dropped unanswered (the stream would hang). The stream ends right after the chunk that brings it."""
+    request = new_request()
+    released(request)
+    if headers_first:
+        started(request)
+    request.drain_events()
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert request.handle(PublisherLost("lease_lost")) == NoAction()  # noted once
+    assert request.phase is Phase.PREFILL
+    if not headers_first:
+        started(request)
+    assert request.handle(ResponseChunk(ROLE, False)) == Forward(ROLE, False)  # no content yet
+    decision = request.handle(ResponseChunk(C1 + C2, False))
+    assert isinstance(decision, Terminate)
+    err = check_one_terminal_frame(ROLE + decision.data, 2)
+    assert "heartbeat" in err["message"]
+    assert (request.phase, request.outcome, request.first_delta_sent) == (
+        Phase.INTERRUPTED,
+        Outcome.UPSTREAM_DECODE_INTERRUPTED,
+        True,
+    )
+    assert [(e.name, e.attempt) for e in request.drain_events()] == [
+        (EventName.REPLICA_LOST, 1),
+        (EventName.STREAM_TERMINATED, None),
+    ]
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == Forward(b"", True)
+
+
+def test_publisher_lost_while_its_whole_answer_is_on_its_way() -> None:
+    """The replica had sent everything before it was lost: the whole answer is delivered."""
+    request = new_request()
+    released(request)
+    request.handle(PublisherLost("heartbeat_lapsed"))
+    started(request)
+    whole = ROLE + C1 + FINISH + DONE_EVENT
+    assert request.handle(ResponseChunk(whole, True)) == Forward(whole, True)
+    assert (request.phase, request.outcome, request.delivered_output_tokens) == (
+        Phase.COMPLETED,
+        Outcome.COMPLETED,
+        1,
+    )
+
+
 # --- a generation without content -----------------------------------------------------------------------
 
 
