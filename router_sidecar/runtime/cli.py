@@ -1,4 +1,4 @@
-"""`router-sidecar`: gateway, serve, envoy-config, replica, sim, demo."""
+"""`router-sidecar`: gateway, serve, envoy-config, replica, sim, demo, trace, drill."""
 
 from __future__ import annotations
 
@@ -119,6 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sim", help="run a simulated vLLM replica (see `router-sidecar sim --help`)", add_help=False
     )
     sub.add_parser("demo", help="etcd + two simulated replicas + the gateway, with failures", add_help=False)
+    sub.add_parser(
+        "trace", help="a request's journal as a timeline (see `router-sidecar trace --help`)", add_help=False
+    )
+    sub.add_parser(
+        "drill",
+        help="run the failure scenarios against a running gateway and judge them (see `drill --help`)",
+        add_help=False,
+    )
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "sim":
@@ -129,6 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router_testbed.demo import main as demo_main
 
         return demo_main(rest)
+    if args.command == "trace":
+        from router_sidecar.runtime.trace_cmd import main as trace_main
+
+        return trace_main(rest)
+    if args.command == "drill":
+        from router_testbed.drill import main as drill_main
+
+        return drill_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(
