@@ -251,6 +251,8 @@ class Gateway:
         config: Path | None = None,
         port: int | None = None,
         tools: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -274,8 +276,15 @@ class Gateway:
         for tool in tools:
             argv += ["--tool", tool]
         argv += ["--config", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
+        argv += list(extra_args)
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._out, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._out,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 40.0) -> None:

@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router_sidecar.coordination.store import (
     Delete,
@@ -40,6 +40,9 @@ from router_sidecar.coordination.store import (
 )
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
 from router_sidecar.core.views import journal_view
+
+if TYPE_CHECKING:
+    from router_sidecar.telemetry.observer import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +143,10 @@ class Journal:
         instance: str | None = None,
         progress_interval: float = 0.0,
         trace_clean_completions: float = 1.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._store = store
+        self._telemetry = telemetry  # spans and metrics: views of the same events
         self._max_events = max_events
         self._gateway_id = gateway_id
         self.instance = instance  # owner id of this gateway instance (None: no ownership, e.g. unit tests)
@@ -165,7 +170,13 @@ class Journal:
         # Only once etcd confirmed the create: a write conditional on an entry that never came to be would be
         # refused for good. (If etcd took it but its answer was lost, the entry outlives the request until a
         # sweep after this instance is gone, or its retention: harmless.)
-        existing = await self._store.create(key, value, lease, also=index)
+        started = time.perf_counter()
+        try:
+            existing = await self._store.create(key, value, lease, also=index)
+        except StoreUnavailable:
+            self._written("claim", started, ok=False)
+            raise
+        self._written("claim", started, ok=True)
         if existing is None:
             entry.in_flight_indexed, entry.written = bool(index), content
             return
@@ -184,6 +195,8 @@ class Journal:
             entry.in_flight_indexed, entry.written = bool(index), content
             return
         self._entries.pop(request, None)  # the id belongs to someone else: keep nothing
+        if self._telemetry is not None:
+            self._telemetry.forget(request)
         raise ClaimConflict(record)
 
     async def write_ahead(self, request: LogicalRequest) -> None:
@@ -192,7 +205,7 @@ class Journal:
         self._take_events(request, entry)
         async with entry.lock:
             entry.dirty = False
-            await self._put(request, entry)
+            await self._put(request, entry, "write_ahead")
 
     def update(self, request: LogicalRequest) -> None:
         """Take the request's new events (stamped now); persist in the background (coalesced; errors are
@@ -212,10 +225,12 @@ class Journal:
         entry = self._entry(request)
         entry.finished = True
         self._take_events(request, entry)
+        if self._telemetry is not None:
+            self._telemetry.finished(request)
         try:
             async with entry.lock:
                 entry.dirty = False
-                await self._put(request, entry)
+                await self._put(request, entry, "finish")
         except RecordTaken:
             pass  # logged; the record is another instance's now
         except StoreUnavailable as exc:
@@ -270,7 +285,7 @@ class Journal:
                 return
             entry.dirty = False
             try:
-                await self._put(request, entry)
+                await self._put(request, entry, "finish" if entry.finished else "progress")
                 entry.failures = 0
             except RecordTaken:
                 pass  # logged; nothing more is written
@@ -290,7 +305,7 @@ class Journal:
                 else:
                     log.error("journal: gave up recording request %s: %s", request.request_id, exc)
 
-    async def _put(self, request: LogicalRequest, entry: _Entry) -> None:
+    async def _put(self, request: LogicalRequest, entry: _Entry, kind: str) -> None:
         if entry.lost:
             return
         entry.written_at = time.monotonic()  # also when nothing is new: progress writes stay spaced
@@ -304,7 +319,16 @@ class Journal:
         # entry), writing would reopen or contradict what it recorded.
         present = self._index_key(request) if entry.in_flight_indexed else None
         key = keys.request(request.tenant, request.request_id)
-        if not await self._store.put(key, value, await self._leases.current(), also=also, present=present):
+        started = time.perf_counter()
+        try:
+            taken = not await self._store.put(
+                key, value, await self._leases.current(), also=also, present=present
+            )
+        except StoreUnavailable:
+            self._written(kind, started, ok=False)
+            raise
+        self._written(kind, started, ok=True)
+        if taken:
             entry.lost, entry.in_flight_indexed = True, False
             log.error(
                 "journal: request %s was closed by another gateway instance (this one was taken for lost); "
@@ -315,6 +339,10 @@ class Journal:
         entry.written = content
         if ends:
             entry.in_flight_indexed = False
+
+    def _written(self, kind: str, started: float, *, ok: bool) -> None:
+        if self._telemetry is not None:
+            self._telemetry.journal_written(kind, time.perf_counter() - started, ok)
 
     def _index_key(self, request: LogicalRequest) -> str:
         assert self.instance is not None
@@ -360,8 +388,14 @@ class Journal:
         return sample >= self._trace_clean_completions
 
     def _take_events(self, request: LogicalRequest, entry: _Entry) -> None:
+        events = request.drain_events()
+        if not events:
+            return
         now = time.time()
-        entry.add([event.as_record(now) for event in request.drain_events()])
+        records = [event.as_record(now) for event in events]
+        entry.add(records)
+        if self._telemetry is not None:
+            self._telemetry.observe(request, records)
 
     def _entry(self, request: LogicalRequest) -> _Entry:
         entry = self._entries.get(request)

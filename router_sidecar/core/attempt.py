@@ -292,6 +292,7 @@ class Attempt:
             return self._fail(FailureReason.CONTENT_ENCODED, f"content-encoding {e.content_encoding!r}")
         self._streaming = is_event_stream(e.content_type)
         self.state = AttemptState.HOLDING
+        self._emit(EventName.HEADERS_HELD, status=e.status)
         return []
 
     def _body(self, e: ResponseBody) -> list[Decision]:

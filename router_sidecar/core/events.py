@@ -16,6 +16,7 @@ class EventName(enum.StrEnum):
     REQUEST_ACCEPTED = "request_accepted"
     REQUEST_REJECTED = "request_rejected"
     ATTEMPT_STARTED = "attempt_started"
+    HEADERS_HELD = "headers_held"  # the replica answered 200: its headers are held until the first delta
     ATTEMPT_FAILED = "attempt_failed"
     REPLICA_LOST = "replica_lost"
     ATTEMPT_FENCED = "attempt_fenced"

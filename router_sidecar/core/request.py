@@ -189,6 +189,7 @@ class _Response:
     ended: bool = False
     # The released attempt was lost before its first content passed here: the stream ends right after it.
     publisher_lost: str | None = None
+    finish_reason: str | None = None  # the last one forwarded (the journal and spans report it)
 
 
 class LogicalRequest:
@@ -243,6 +244,11 @@ class LogicalRequest:
         """The attempt whose bytes go to the client (released at its first delta), if any."""
         last = self.gate.attempts[-1] if self.gate.attempts else None
         return last if last is not None and last.state is AttemptState.RELEASED else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish_reason of the last event forwarded that had one (None: no such event went out)."""
+        return self._response.finish_reason
 
     @property
     def retry_budget(self) -> int:
@@ -510,8 +516,10 @@ class LogicalRequest:
             r.content_events += 1
             if self.phase is Phase.PREFILL:
                 self.phase = Phase.DECODE
-        if event.finish_reason in COMPLETE_FINISH_REASONS:
-            r.finished = True
+        if event.finish_reason is not None:
+            r.finish_reason = event.finish_reason
+            if event.finish_reason in COMPLETE_FINISH_REASONS:
+                r.finished = True
         if event.usage_completion_tokens is not None:
             r.usage_tokens = event.usage_completion_tokens
 

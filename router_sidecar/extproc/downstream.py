@@ -34,6 +34,7 @@ from router_sidecar.extproc.discovery import choose_pin, pin_metadata, why_no_co
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.tool_calls import ToolCallStream
+from router_sidecar.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ INTERNAL_HEADER_PREFIXES = ("x-attempt-", "x-fencing-", "x-router-sidecar-", "x-
 INTERNAL_HEADERS = frozenset({"x-attempt-id", "x-fencing-token", "x-sim-replica"})
 # The gateway reads every inference response: it never asks a replica for a compressed one.
 INFERENCE_STRIPPED = frozenset({"accept-encoding"})
+# W3C trace context: the client's is the parent of the request's span (each attempt sends its own on).
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
 # How long a torn-down stream waits for Envoy's access-log entry that says who tore it down.
 ACCESS_LOG_WAIT_SECONDS = 1.0
 ANONYMOUS = "anonymous"
@@ -141,9 +144,17 @@ class Inference(PassThrough):
     """An admitted inference request: admission at its body, then its response through the machine."""
 
     def __init__(
-        self, services: Services, writer: _Writer, route: Route, request_id: str, tenant: str, policy: Policy
+        self,
+        services: Services,
+        writer: _Writer,
+        route: Route,
+        request_id: str,
+        tenant: str,
+        policy: Policy,
+        trace_context: dict[str, str],
     ) -> None:
         self._services = services
+        self._trace_context = trace_context  # the client's traceparent/tracestate: our spans' parent
         self._policy = policy  # the gateway's, or its route's overlay of it
         self._writer = writer
         self._route = route
@@ -191,6 +202,8 @@ class Inference(PassThrough):
         live = services.registry.add(request)
         if live is None:
             return _in_flight(request_id)
+        services.telemetry.admitted(request, self._trace_context)
+        logs.bind(request_id=request_id)
         try:
             await services.journal.claim(request)
         except ClaimConflict as conflict:
@@ -210,6 +223,7 @@ class Inference(PassThrough):
             # Degraded mode: serve, but without a durable journal no retry can be proven safe.
             log.error("journal unavailable, serving request %s without retries: %s", request_id, exc)
             request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
+        logs.bind(trace_id=services.telemetry.trace_id(request))
         self._live = live
         live.publisher_lost = self._publisher_lost
         self._deadline = asyncio.get_running_loop().call_later(
@@ -392,12 +406,15 @@ class DownstreamStream:
         else:
             # Envoy's own reply to a request it could not parse (431, 400): no request headers ever came.
             processor, pending = PassThrough(), first
+        # Time spent on each message (metrics), summed here and reported once per stream, not per chunk.
+        handled, busy = 0, 0.0
         try:
             while True:
                 message = pending if pending is not None else await context.read()
                 pending = None
                 if message is grpc.aio.EOF:
                     break
+                started = time.perf_counter()
                 which = message.WhichOneof("request")
                 if which == "request_body":
                     reply = await processor.on_request_body(message.request_body.body)
@@ -411,8 +428,11 @@ class DownstreamStream:
                 else:
                     continue
                 await writer.write(reply)
+                handled += 1
+                busy += time.perf_counter() - started
         finally:
             processor.on_stream_end()
+            self._services.telemetry.stream_handled("downstream", handled, busy)
 
     async def _choose(
         self, message: m.ep.HttpHeaders, writer: _Writer, route_policy: str | None = None
@@ -504,7 +524,8 @@ class DownstreamStream:
             )
         strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
-        return Inference(services, writer, route, request_id, tenant, policy), reply
+        trace_context = {k: headers[k] for k in TRACE_CONTEXT_HEADERS if k in headers}
+        return Inference(services, writer, route, request_id, tenant, policy, trace_context), reply
 
     async def _probe(self, probe: Probe | None) -> m.ProcessingResponse:
         """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and

@@ -27,6 +27,7 @@ from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
+from router_sidecar.telemetry.observer import Telemetry
 from router_sidecar.wire import services as wire_services
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class SidecarServer:
         gateway_id: str,
         discovery: bool = False,
         static_replicas: tuple[str, ...] = (),
+        telemetry: Telemetry | None = None,
     ) -> None:
+        telemetry = telemetry or Telemetry()
         check_bind_address(bind)
         self.bind = bind
         self.registry = Registry()
@@ -103,6 +106,7 @@ class SidecarServer:
             instance=self.ownership.instance if self.ownership else None,
             progress_interval=policy.journal.progress_interval_seconds,
             trace_clean_completions=policy.journal.trace_clean_completions,
+            telemetry=telemetry,
         )
         self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
         # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
@@ -127,6 +131,7 @@ class SidecarServer:
             discovery=discovery,
             gateway_id=gateway_id,
             parser=RequestParser(),
+            telemetry=telemetry,
         )
         wire_services.add_external_processor(self._server, ExternalProcessor(services))
         wire_services.add_access_log_service(self._server, AccessLogServicer(self.registry))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router_sidecar.coordination.fencing import AttemptLeases
 from router_sidecar.coordination.journal import Journal
@@ -13,6 +13,7 @@ from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
+from router_sidecar.telemetry.observer import Telemetry
 
 
 @dataclass(slots=True)
@@ -30,3 +31,4 @@ class Services:
     gateway_id: str
     parser: RequestParser  # large request bodies are parsed in a worker process
     tenant_secret: bytes = b""  # keys the credential digests; loaded at start (coordination/tenancy.py)
+    telemetry: Telemetry = field(default_factory=Telemetry)  # spans and metrics (no-op unless configured)

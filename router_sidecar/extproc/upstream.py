@@ -29,6 +29,7 @@ from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
+from router_sidecar.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class UpstreamStream:
         self._tracked: Tracked | None = None  # its bytes as received here (liveness from progress)
         self._left = False  # we answered or released: nothing more is written on this stream
         self._handed_over = False  # the downstream now answers for this attempt's progress
+        self._handled, self._busy = 0, 0.0  # messages handled and time spent (metrics, once per stream)
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
@@ -76,19 +78,19 @@ class UpstreamStream:
             lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
             attempt = self._attempt = request.gate.begin(attempt_id, replica)
             attempt.lease = lease
-        self._journal.update(request)
+        self._journal.update(request)  # also opens the attempt's span: its context goes to the replica
+        telemetry = self._services.telemetry
+        logs.bind(request_id=request_id, attempt_id=attempt.attempt_id, trace_id=telemetry.trace_id(request))
         lease_header = f"{attempt.lease.lease.id:x}" if attempt.lease.lease else ""
-        await context.write(
-            m.request_headers_reply(
-                m.header_mutation(
-                    [
-                        ("x-request-id", request_id),
-                        ("x-attempt-id", attempt.attempt_id),
-                        ("x-attempt-lease", lease_header),
-                    ]
-                )
-            )
-        )
+        headers = [
+            ("x-request-id", request_id),
+            ("x-attempt-id", attempt.attempt_id),
+            ("x-attempt-lease", lease_header),
+        ]
+        traceparent = telemetry.traceparent(request, attempt.number)
+        if traceparent is not None:
+            headers.append(("traceparent", traceparent))
+        await context.write(m.request_headers_reply(m.header_mutation(headers)))
 
         async def replica_lost(cause: str) -> None:
             self._feed(request, attempt, a.LivenessLost(cause))
@@ -135,11 +137,21 @@ class UpstreamStream:
     async def _hold(self, context: grpc.aio.ServicerContext, live: Live, attempt: a.Attempt) -> None:
         request = live.request
         assert self._tracked is not None
+        try:
+            await self._hold_messages(context, request, attempt)
+        finally:
+            self._services.telemetry.stream_handled("upstream", self._handled, self._busy)
+
+    async def _hold_messages(
+        self, context: grpc.aio.ServicerContext, request: LogicalRequest, attempt: a.Attempt
+    ) -> None:
+        assert self._tracked is not None
         while not self._left:
             message = await context.read()
             if message is grpc.aio.EOF:
                 self._feed(request, attempt, a.StreamReset(self._liveness_uncertain(attempt)))
                 return
+            started = time.perf_counter()
             which = message.WhichOneof("request")
             if which == "response_headers":
                 headers = m.header_map(message.response_headers)
@@ -157,6 +169,8 @@ class UpstreamStream:
                 continue
             # Inline: no further message is read until these decisions are carried out (the held count).
             await self._carry_out(request, attempt, self._handle(request, attempt, event))
+            self._handled += 1
+            self._busy += time.perf_counter() - started
 
     def _handle(self, request: LogicalRequest, attempt: a.Attempt, event: a.Input) -> list[a.Decision]:
         decisions = attempt.handle(event)
@@ -186,6 +200,13 @@ class UpstreamStream:
         if isinstance(decision, a.Failed):
             verdict = request.gate.verdict(
                 attempt, decision, no_compatible_replica=self._no_compatible_replica(request, attempt)
+            )
+            log.info(
+                "attempt %d on %s failed before any content (%s): %s",
+                attempt.number,
+                attempt.replica,
+                decision.reason.value,
+                "retrying" if isinstance(verdict, a.TriggerRetry) else f"no retry ({verdict.code})",
             )
             await self._carry_out(request, attempt, self._handle(request, attempt, a.VerdictReady(verdict)))
         elif isinstance(decision, a.Answer):

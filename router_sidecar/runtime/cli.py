@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from router_sidecar.core.policy import Policy, PolicyError, RouteOverlay, load_policy, load_route_policies
 from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, EnvoyNotFound, parse_tool
+from router_sidecar.telemetry.logs import LOG_FORMATS, configure_logging
+from router_sidecar.telemetry.setup import MetricsListen, TelemetryConfigError
 
 ETCD_HELP = "etcd HOST:PORT, or every member of a cluster as IP:PORT,IP:PORT,..."
+METRICS_HELP = (
+    "serve Prometheus metrics on PORT or HOST:PORT (host defaults to 127.0.0.1); OTLP export is on when "
+    "OTEL_EXPORTER_OTLP_ENDPOINT is set"
+)
 
 
 def _endpoint(text: str) -> Endpoint:
     try:
         return Endpoint.parse(text)
     except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _metrics(text: str) -> MetricsListen:
+    try:
+        return MetricsListen.parse(text)
+    except TelemetryConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
@@ -40,6 +53,13 @@ def _run_async(coro: object) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="router-sidecar", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="sidecar log level (default INFO)")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("ROUTER_SIDECAR_LOG_FORMAT", "text"),
+        help="text, or json: one object per line with request_id, attempt_id, trace_id "
+        "(default text; env ROUTER_SIDECAR_LOG_FORMAT)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gw = sub.add_parser("gateway", help="run Envoy + the sidecar in front of replicas")
@@ -63,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gw.add_argument(
         "--work-dir", help="where the rendered Envoy config, socket and logs go (default: temp dir)"
     )
+    gw.add_argument("--metrics", type=_metrics, help=METRICS_HELP)
 
     sv = sub.add_parser("serve", help="run the sidecar alone against an existing Envoy")
     sv.add_argument("--bind", required=True, help="unix:/path/to.sock or 127.0.0.1:PORT (loopback only)")
@@ -76,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="static replica HOST:PORT (repeat; the same list as the Envoy config's); without any, replicas "
         "are discovered from the etcd registry and served to Envoy over EDS",
     )
+    sv.add_argument("--metrics", type=_metrics, help=METRICS_HELP)
 
     ec = sub.add_parser(
         "envoy-config",
@@ -147,11 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return drill_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     if args.command == "replica":
         from router_sidecar.runtime.replica_agent import main_async as replica_main
 
@@ -178,9 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 work_dir=Path(args.work_dir) if args.work_dir else None,
                 tools=tuple(args.tool),
                 routes=routes,
+                metrics=args.metrics,
             )
             return _run_async(run_gateway(options))
-        return _run_async(run_sidecar_only(args.bind, args.etcd, policy, tuple(args.replica)))
+        return _run_async(
+            run_sidecar_only(args.bind, args.etcd, policy, tuple(args.replica), metrics=args.metrics)
+        )
     except (GatewayError, EnvoyNotFound, EnvoyConfigInvalid, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,12 @@ from router_sidecar.runtime.supervise import (
     stop_on_signals,
     wait_envoy_ready,
 )
+from router_sidecar.telemetry.setup import (
+    MetricsListen,
+    TelemetryConfigError,
+    TelemetryRuntime,
+    build_telemetry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ class GatewayOptions:
     tools: tuple[tuple[str, Endpoint], ...] = ()
     routes: tuple[RouteOverlay, ...] = ()
     envoy_log_level: str = "warn"
+    metrics: MetricsListen | None = None  # serve Prometheus metrics here
 
 
 async def connect_store(endpoint: str) -> EtcdStore:
@@ -67,7 +74,13 @@ async def run_gateway(options: GatewayOptions) -> int:
 
 async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
     envoy = find_envoy()
-    store = await connect_store(options.etcd)
+    gateway_id = f"{socket.gethostname()}:{options.listen}"
+    telemetry = _telemetry(options.metrics, gateway_id)
+    try:
+        store = await connect_store(options.etcd)
+    except GatewayError:
+        telemetry.shutdown()
+        raise
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix="router-sidecar-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     owns_work_dir = options.work_dir is None
@@ -76,9 +89,10 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         bind=f"unix:{socket_path}",
         policy=options.policy,
         store=store,
-        gateway_id=f"{socket.gethostname()}:{options.listen}",
+        gateway_id=gateway_id,
         discovery=not options.replicas,
         static_replicas=tuple(map(str, options.replicas)),
+        telemetry=telemetry.telemetry,
     )
     envoy_child: Child | None = None
     keep_logs = False
@@ -103,7 +117,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         server.start_background()
         print(
             f"ready: gateway on http://{options.listen} → replicas {', '.join(map(str, options.replicas))}; "
-            f"etcd {options.etcd}; logs in {work_dir}",
+            f"etcd {options.etcd}; logs in {work_dir}{_telemetry_note(telemetry)}",
             flush=True,
         )
         crashes: list[float] = []
@@ -149,6 +163,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
                 )
         await server.stop()
         await store.close()
+        telemetry.shutdown()
         if owns_work_dir and not keep_logs:
             shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -171,16 +186,29 @@ async def _wait_for_stop(child: Child, stop: asyncio.Event) -> None:
     stopped.cancel()
 
 
-async def run_sidecar_only(bind: str, etcd: str, policy: Policy, replicas: tuple[Endpoint, ...] = ()) -> int:
+async def run_sidecar_only(
+    bind: str,
+    etcd: str,
+    policy: Policy,
+    replicas: tuple[Endpoint, ...] = (),
+    metrics: MetricsListen | None = None,
+) -> int:
     """`router-sidecar serve`: the sidecar alone, for an Envoy configured elsewhere (`envoy-config`)."""
-    store = await connect_store(etcd)
+    gateway_id = f"{socket.gethostname()}:{bind}"
+    telemetry = _telemetry(metrics, gateway_id)
+    try:
+        store = await connect_store(etcd)
+    except GatewayError:
+        telemetry.shutdown()
+        raise
     server = SidecarServer(
         bind=bind,
         policy=policy,
         store=store,
-        gateway_id=f"{socket.gethostname()}:{bind}",
+        gateway_id=gateway_id,
         discovery=not replicas,
         static_replicas=tuple(map(str, replicas)),
+        telemetry=telemetry.telemetry,
     )
     try:
         with stop_on_signals() as stop:
@@ -189,7 +217,7 @@ async def run_sidecar_only(bind: str, etcd: str, policy: Policy, replicas: tuple
             source = ", ".join(map(str, replicas)) if replicas else "the etcd registry (EDS)"
             print(
                 f"ready: sidecar serving ext_proc, access log and EDS on {bind}; replicas from {source}; "
-                f"etcd {etcd}",
+                f"etcd {etcd}{_telemetry_note(telemetry)}",
                 flush=True,
             )
             await stop.wait()
@@ -197,3 +225,18 @@ async def run_sidecar_only(bind: str, etcd: str, policy: Policy, replicas: tuple
     finally:
         await server.stop()
         await store.close()
+        telemetry.shutdown()
+
+
+def _telemetry(metrics: MetricsListen | None, instance_id: str) -> TelemetryRuntime:
+    try:
+        return build_telemetry(metrics=metrics, instance_id=instance_id)
+    except TelemetryConfigError as exc:
+        raise GatewayError(str(exc)) from exc
+
+
+def _telemetry_note(runtime: TelemetryRuntime) -> str:
+    note = f"; metrics on {runtime.metrics_url}" if runtime.metrics_url else ""
+    if runtime.otlp_endpoint:
+        note += f"; OTLP to {runtime.otlp_endpoint}"
+    return note

@@ -609,6 +609,8 @@ class Simulator:
             "conn": conn_no,
             "t_start": time.time(),
         }
+        if h.get("traceparent"):  # the W3C trace context the gateway sent for this attempt
+            record["traceparent"] = h.get("traceparent")
         error: tuple[int, bytes] | None = None
         greq: gen.GenRequest | None = None
         clauses: list[Clause] = []

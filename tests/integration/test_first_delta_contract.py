@@ -70,6 +70,7 @@ def test_healthy_stream_passes_through_and_is_journaled(gateway: Gateway, sims: 
     assert [e["event"] for e in journal["events"]] == [
         "request_accepted",
         "attempt_started",
+        "headers_held",
         "first_delta_sent",
         "stream_completed",
     ]

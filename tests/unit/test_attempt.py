@@ -1082,7 +1082,7 @@ def test_verdict_is_recorded() -> None:
 
 # (id, path, input, expected events: (name, detail items that must be in it))
 EVENTS: list[tuple[str, list[Input], Input, list[tuple[EventName, dict[str, Any]]]]] = [
-    ("headers_2xx", [], H(), []),
+    ("headers_2xx", [], H(), [(EventName.HEADERS_HELD, {"status": 200})]),
     ("headers_4xx", [], H(404, JSON), [(EventName.RESPONSE_PASSED_THROUGH, {"status": 404})]),
     ("headers_5xx", [], H(503), [(EventName.ATTEMPT_FAILED, {"reason": "upstream_status"})]),
     (
@@ -1262,7 +1262,7 @@ def test_transcript_releases_once_at_first_content(name: str, seed: int) -> None
     # The chunk that completes the first content event, and no earlier one, writes ahead.
     assert fed - len(chunks[count - 1]) < boundary <= fed, (seed, count, fed)
     assert attempt.state is AttemptState.WRITING_AHEAD and attempt.first_delta is True
-    assert [e.name for e in outbox] == [EventName.FIRST_DELTA_SENT]
+    assert [e.name for e in outbox] == [EventName.HEADERS_HELD, EventName.FIRST_DELTA_SENT]
     assert attempt.handle(WriteAheadDone()) == [Release(count)]  # every chunk fed so far is released
     assert attempt.handle(StreamReset()) == []  # a later reset is no failure of this attempt
 
@@ -1275,5 +1275,5 @@ def test_engine_dead_transcript_fails_with_error_event(seed: int) -> None:
     attempt, fed, count, outbox = feed_transcript(data, chunks, eos_last=True)
     assert fed - len(chunks[count - 1]) < error_end <= fed
     assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.ERROR_EVENT)
-    assert [e.name for e in outbox] == [EventName.ATTEMPT_FAILED]
+    assert [e.name for e in outbox] == [EventName.HEADERS_HELD, EventName.ATTEMPT_FAILED]
     assert attempt.handle(VerdictReady(RETRY)) == [SETTLE, Answer(RETRY, count)]

@@ -317,7 +317,7 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
                 "fence": None,
             }
         ]
-        assert event_names(now) == ["request_accepted", "attempt_started", "first_delta_sent"]
+        assert event_names(now) == ["request_accepted", "attempt_started", "headers_held", "first_delta_sent"]
         await settle()
         assert stored(store, "tenant-a", "idem-1") == now  # the stale background write did not win
 
@@ -356,9 +356,11 @@ def test_updates_before_the_end_wait_for_the_next_durable_write() -> None:
         expected = [
             "request_accepted",
             "attempt_started",
+            "headers_held",
             "attempt_failed",
             "retry_triggered",
             "attempt_started",
+            "headers_held",
             "first_delta_sent",
         ]
         assert event_names(record) == expected
@@ -386,7 +388,7 @@ def test_updates_before_the_end_wait_for_the_next_durable_write() -> None:
         assert event_names(record) == [*expected, "stream_completed"]
         times = [e["t"] for e in record["events"]]
         assert times == sorted(times)
-        assert [e.get("attempt") for e in record["events"]] == [None, 1, 1, 1, 2, 2, None]
+        assert [e.get("attempt") for e in record["events"]] == [None, 1, 1, 1, 1, 2, 2, 2, None]
         assert [(a["attempt"], a["outcome"]) for a in record["attempts"]] == [(1, "failed"), (2, "completed")]
 
     run(go)

@@ -1244,15 +1244,17 @@ def test_event_names_retry_then_complete() -> None:
     assert [(e.name.value, e.attempt) for e in events] == [
         ("request_accepted", None),
         ("attempt_started", 1),
+        ("headers_held", 1),
         ("attempt_failed", 1),
         ("retry_triggered", 1),
         ("attempt_started", 2),
+        ("headers_held", 2),
         ("first_delta_sent", 2),
         ("stream_completed", None),
     ]
     assert events[0].detail["retry_allowed"] is True
     assert events[0].detail["route"] == "chat.completions"
-    assert events[4].detail == {"attempt_id": "att-2", "replica": "r2"}
+    assert events[5].detail == {"attempt_id": "att-2", "replica": "r2"}
     assert events[-1].detail == {"delivered_output_tokens": 12}
     assert request.drain_events() == []
 

@@ -1,0 +1,1 @@
+"""Observability: spans, metrics and structured logs, all views of the machines' named events."""

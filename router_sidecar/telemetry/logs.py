@@ -1,0 +1,66 @@
+"""Structured logs: one JSON object per line, with the request, attempt and trace a line is about.
+
+The ids come from context variables that each ext_proc stream sets for itself (every stream is its own
+asyncio task, and tasks it starts inherit them), so a log call anywhere below names its request without
+passing it along. Bodies are never logged: nothing here reads one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+attempt_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("attempt_id", default=None)
+trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+
+
+def bind(
+    *, request_id: str | None = None, attempt_id: str | None = None, trace_id: str | None = None
+) -> None:
+    """Name what the current task's log lines are about (the stream's task and those it starts)."""
+    if request_id is not None:
+        request_id_var.set(request_id)
+    if attempt_id is not None:
+        attempt_id_var.set(attempt_id)
+    if trace_id is not None:
+        trace_id_var.set(trace_id)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, var in (
+            ("request_id", request_id_var),
+            ("attempt_id", attempt_id_var),
+            ("trace_id", trace_id_var),
+        ):
+            value = var.get()
+            if value is not None:
+                line[key] = value
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
