@@ -1,0 +1,295 @@
+"""`router-sidecar drill --gateway URL`: options, the pre-flight check, the run, the reports, the exit code.
+
+Exit status: 0 when every scenario passed, 1 when any promise was violated, 2 on a usage error or when
+the gateway cannot be used (unreachable, or not the replicas the chosen fault mode needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+from urllib.parse import urlsplit
+
+from router_testbed.drill.hooks import DEFAULT_HOOK_TIMEOUT, HookFunction, Hooks
+from router_testbed.drill.scenarios import (
+    BY_NAME,
+    DEFAULT_OVERSIZE,
+    MODES,
+    SCENARIOS,
+    Result,
+    Scenario,
+    run_order,
+)
+
+if TYPE_CHECKING:
+    from router_testbed.drill.client import Client
+
+EXIT_PASSED, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """What is wrong and what to do; the drill exits 2 with it."""
+
+
+@dataclass
+class Options:
+    gateway: str
+    credential: str = "drill"
+    scenarios: list[str] = field(default_factory=list)  # empty: every one the fault mode supports
+    fault_mode: str | None = None  # None: hooks if a hook is given, else sim
+    hooks: dict[str, str] = field(default_factory=dict)  # action -> shell command template
+    hook_functions: dict[str, HookFunction] = field(default_factory=dict)  # in-process hooks (the demo)
+    hook_timeout: float = DEFAULT_HOOK_TIMEOUT
+    replica_logs: list[Path] = field(default_factory=list)
+    tool: str | None = None
+    model: str | None = None
+    report: Path | None = None
+    json_path: Path | None = None
+    timeout: float = 30.0
+    long_tokens: int = 400
+    oversize_bytes: int = DEFAULT_OVERSIZE
+    progress: bool = True
+    color: bool | None = None  # None: on a terminal without NO_COLOR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    names = ", ".join(s.name for s in SCENARIOS)
+    p = argparse.ArgumentParser(
+        prog="router-sidecar drill",
+        description="Run the failure scenarios against a running gateway and judge what the client got, "
+        "the journal and (simulator) the replicas' logs. Exit 0: every promise held; 1: a violation; "
+        "2: usage error or unusable gateway.",
+        epilog=f"scenarios: {names}. See docs/drill.md.",
+    )
+    p.add_argument("--gateway", required=True, metavar="URL", help="the gateway's client-facing URL")
+    p.add_argument("--credential", default="drill", metavar="TOKEN", help="bearer token (default: drill)")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run this scenario (repeat; default: every one the fault mode supports)",
+    )
+    p.add_argument(
+        "--fault-mode",
+        choices=MODES,
+        default=None,
+        help="sim: the simulator's x-sim-fault header; hooks: --kill-cmd/--freeze-cmd against real "
+        "replicas; none: no fault (default: hooks when a hook is given, else sim)",
+    )
+    p.add_argument("--kill-cmd", metavar="CMD", help="kill a replica: shell command, {replica}=HOST:PORT")
+    p.add_argument("--freeze-cmd", metavar="CMD", help="freeze a replica (e.g. SIGSTOP): shell command")
+    p.add_argument("--thaw-cmd", metavar="CMD", help="thaw a frozen replica (e.g. SIGCONT): shell command")
+    p.add_argument("--hook-timeout", type=float, default=DEFAULT_HOOK_TIMEOUT, metavar="S")
+    p.add_argument(
+        "--replica-log",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="a simulated replica's JSONL log (repeat): also judge what the replicas themselves saw",
+    )
+    p.add_argument("--tool", metavar="NAME[/PATH]", help="run tool-replay against POST /tools/NAME/PATH")
+    p.add_argument("--model", help="the model to ask for (default: the first of GET /v1/models)")
+    p.add_argument("--report", type=Path, metavar="PATH.html", help="write the HTML report here")
+    p.add_argument("--json", dest="json_path", type=Path, metavar="PATH", help="write JSON results here")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per request (default 30)")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=400,
+        metavar="N",
+        help="max_tokens of a stream that a real replica must still be writing when a hook hits it",
+    )
+    p.add_argument("--oversize-bytes", type=int, default=DEFAULT_OVERSIZE, metavar="N")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
+    return p
+
+
+def options_from_args(argv: Sequence[str] | None) -> Options:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    hooks = {k: c for k, c in (("kill", a.kill_cmd), ("freeze", a.freeze_cmd), ("thaw", a.thaw_cmd)) if c}
+    return Options(
+        gateway=a.gateway,
+        credential=a.credential,
+        scenarios=list(a.scenario),
+        fault_mode=a.fault_mode,
+        hooks=hooks,
+        hook_timeout=a.hook_timeout,
+        replica_logs=list(a.replica_log),
+        tool=a.tool,
+        model=a.model,
+        report=a.report,
+        json_path=a.json_path,
+        timeout=a.timeout,
+        long_tokens=a.long_tokens,
+        oversize_bytes=a.oversize_bytes,
+        progress=not a.no_progress,
+    )
+
+
+def select(options: Options, hooks: Hooks) -> tuple[str, list[Scenario]]:
+    """The fault mode and the scenarios to run, or a UsageError saying what to change."""
+    url = urlsplit(options.gateway)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise UsageError(f"--gateway {options.gateway!r} is not an http(s) URL, e.g. http://127.0.0.1:8080")
+    for name, value in (("--timeout", options.timeout), ("--hook-timeout", options.hook_timeout)):
+        if not value > 0:
+            raise UsageError(f"{name} must be a number of seconds > 0")
+    if options.long_tokens < 8:
+        raise UsageError("--long-tokens must be at least 8")
+    mode = options.fault_mode or ("hooks" if hooks.available else "sim")
+    if mode == "hooks" and "freeze" in hooks.available and "thaw" not in hooks.available:
+        raise UsageError("--freeze-cmd needs --thaw-cmd: a frozen replica must be thawed after its scenario")
+    unknown = [n for n in options.scenarios if n not in BY_NAME]
+    if unknown:
+        raise UsageError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    if options.scenarios:
+        chosen = [BY_NAME[n] for n in dict.fromkeys(options.scenarios)]
+        refused = [
+            (s.name, why) for s in chosen for ok, why in [s.runs_in(mode, hooks, options.tool)] if not ok
+        ]
+        if refused:
+            detail = "; ".join(f"{name} {why}" for name, why in refused)
+            raise UsageError(f"with --fault-mode {mode}: {detail}")
+    else:
+        chosen = [s for s in SCENARIOS if s.runs_in(mode, hooks, options.tool)[0]]
+    if not chosen:
+        raise UsageError(f"no scenario can run with --fault-mode {mode}")
+    return mode, run_order(chosen, mode)
+
+
+def _unreachable(gateway: str, exc: Exception) -> UsageError:
+    return UsageError(
+        f"cannot reach the gateway at {gateway} ({type(exc).__name__}: {exc}). Is it running and listening "
+        "there? Start one with `router-sidecar gateway --listen HOST:PORT --replica ... --etcd ...` (or "
+        "`make demo`), or fix --gateway."
+    )
+
+
+def preflight(client: Client, options: Options, mode: str) -> str:
+    """Reach the gateway and learn the model; in sim mode, make sure the replicas are the simulator (a real
+    engine ignores x-sim-fault, and every fault scenario would then fail for the wrong reason)."""
+    import httpx
+
+    try:
+        response = client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise _unreachable(options.gateway, exc) from None
+    model = options.model
+    if model is None:
+        try:
+            data = response.json().get("data") if response.status_code == 200 else None
+            model = str(data[0]["id"]) if isinstance(data, list) and data else None
+        except (ValueError, AttributeError, KeyError, TypeError):
+            model = None
+    if mode == "sim" and "x-sim-replica" not in response.headers:
+        raise UsageError(
+            f"--fault-mode sim, but the replicas behind {options.gateway} do not look like the simulator "
+            f"(GET /v1/models answered HTTP {response.status_code} without its x-sim-replica header), so "
+            "the x-sim-fault header would be ignored. Use --fault-mode hooks with --kill-cmd/--freeze-cmd "
+            "for real replicas, or --fault-mode none."
+        )
+    return model or "tiny"
+
+
+def run(
+    options: Options,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    between: Callable[[], None] | None = None,
+) -> int:
+    """Run the drill; print the verdict table to `out`, progress and errors to `err`; write the reports.
+    `between` runs after each scenario (the demo restarts a replica a scenario killed)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    from router_testbed.drill import report
+    from router_testbed.drill.client import Client
+    from router_testbed.drill.progress import Progress
+    from router_testbed.drill.scenarios import Context, run_scenario
+
+    hooks = Hooks(options.hooks, options.hook_functions, options.hook_timeout)
+    try:
+        mode, chosen = select(options, hooks)
+    except UsageError as exc:
+        err.write(f"router-sidecar drill: {exc}\n")
+        return EXIT_USAGE
+    client = Client(
+        options.gateway,
+        credential=options.credential,
+        timeout=options.timeout,
+        replica_logs=options.replica_logs,
+    )
+    started_at, started = time.time(), time.monotonic()
+    run_id = time.strftime("%H%M%S") + secrets.token_hex(2)
+    results: list[Result] = []
+    try:
+        try:
+            model = preflight(client, options, mode)
+        except UsageError as exc:
+            err.write(f"router-sidecar drill: {exc}\n")
+            return EXIT_USAGE
+        ctx = Context(
+            client,
+            mode,
+            model,
+            run_id,
+            hooks=hooks,
+            tool=options.tool,
+            long_tokens=options.long_tokens,
+            oversize_bytes=options.oversize_bytes,
+            timeout=options.timeout,
+        )
+        progress = Progress(len(chosen), err, enabled=options.progress)
+        for scenario in chosen:
+            progress.start(scenario.name)
+            result = run_scenario(ctx, scenario)
+            results.append(result)
+            progress.finish(scenario.name, result.passed, result.seconds)
+            if between is not None:
+                between()
+        progress.close()
+    finally:
+        client.close()
+    seconds = time.monotonic() - started
+    color = options.color if options.color is not None else out.isatty() and not os.environ.get("NO_COLOR")
+    style = report.Style(color)
+    info = report.RunInfo(options.gateway, mode, model, run_id, started_at, seconds)
+    out.write(f"router-sidecar drill against {options.gateway} (fault mode {mode}, model {model})\n")
+    out.write(report.verdict_table(results, style) + "\n\n")
+    line = report.summary_line(results, seconds)
+    out.write((style.green(line) if all(r.passed for r in results) else style.red(line)) + "\n")
+    if options.report is not None:
+        options.report.parent.mkdir(parents=True, exist_ok=True)
+        options.report.write_text(report.html_report(info, results), encoding="utf-8")
+        out.write(f"HTML report: {options.report}\n")
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(report.to_json(info, results), indent=1), encoding="utf-8")
+        out.write(f"JSON results: {options.json_path}\n")
+    out.flush()
+    return EXIT_PASSED if results and all(r.passed for r in results) else EXIT_VIOLATION
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        import httpx  # noqa: F401 - the testbed extra; say so instead of a traceback
+    except ImportError:
+        sys.stderr.write("router-sidecar drill needs httpx: pip install 'router-sidecar[testbed]'\n")
+        return EXIT_USAGE
+    options = options_from_args(argv)
+    try:
+        return run(options)
+    except KeyboardInterrupt:
+        sys.stderr.write("\nrouter-sidecar drill: interrupted\n")
+        return 130

@@ -1,0 +1,587 @@
+"""The drill's results, three ways: a verdict table for the terminal, a self-contained HTML report with a
+timeline picture (inline SVG) per request, and machine-readable JSON.
+
+The HTML needs nothing else: inline CSS, inline SVG, no script, no external asset; tooltips are SVG
+``<title>`` elements and the raw evidence sits in ``<details>``. Times in a picture are seconds from the
+moment the drill sent the request; the gateway's journal is stamped by the gateway host's clock, so a skew
+between the two hosts shifts the gateway's marks against the client's.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router_testbed.drill.evidence import Exchange, read_stream
+from router_testbed.drill.scenarios import Result
+
+# --- terminal -----------------------------------------------------------------------------------------
+
+
+class Style:
+    """ANSI colour, only when asked for (a TTY without NO_COLOR)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+    def bold(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+    def red(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def green(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def yellow(self, text: str) -> str:
+        return self._wrap("33", text)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
+    """The verdict table, then every failed check with what was seen, then the notes."""
+    s = style or Style(False)
+    name_w = max([len("scenario"), *(len(r.scenario.name) for r in results)])
+    fault_w = 46
+    header = f"  {'scenario':<{name_w}}  {'fault':<{fault_w}}  verdict  checks    time"
+    lines = [s.bold(header)]
+    for r in results:
+        ok = sum(c.ok for c in r.verdict.checks)
+        mark = s.green("PASS   ") if r.passed else s.red("FAIL   ")
+        lines.append(
+            f"  {r.scenario.name:<{name_w}}  {_cut(r.fault, fault_w):<{fault_w}}  {mark}  "
+            f"{f'{ok}/{len(r.verdict.checks)}':>6}  {r.seconds:5.1f}s"
+        )
+    for r in results:
+        if r.passed:
+            continue
+        lines.append("")
+        lines.append(s.red(f"FAIL {r.scenario.name}") + f" ({r.scenario.title}): {r.scenario.promise}")
+        for c in r.verdict.failed:
+            lines.append(f"  ✗ {c.what}")
+            lines.append(s.dim(f"      seen: {c.seen}"))
+    notes = [(r.scenario.name, n) for r in results for n in r.verdict.notes]
+    if notes:
+        lines.append("")
+        lines += [s.yellow(f"note {name}: {text}") for name, text in notes]
+    return "\n".join(lines)
+
+
+def summary_line(results: Sequence[Result], seconds: float) -> str:
+    passed = sum(r.passed for r in results)
+    failed = [r.scenario.name for r in results if not r.passed]
+    line = f"{passed}/{len(results)} scenarios passed in {seconds:.1f}s"
+    return line + (f"; violated: {', '.join(failed)}" if failed else "")
+
+
+# --- JSON ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunInfo:
+    gateway: str
+    fault_mode: str
+    model: str
+    run_id: str
+    started_at: float
+    seconds: float
+
+
+def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
+    return {
+        "gateway": info.gateway,
+        "fault_mode": info.fault_mode,
+        "model": info.model,
+        "run_id": info.run_id,
+        "started_at": info.started_at,
+        "seconds": round(info.seconds, 3),
+        "passed": bool(results) and all(r.passed for r in results),
+        "scenarios": [
+            {
+                "name": r.scenario.name,
+                "title": r.scenario.title,
+                "promise": r.scenario.promise,
+                "source": r.scenario.source,
+                "fault": r.fault,
+                "passed": r.passed,
+                "seconds": round(r.seconds, 3),
+                "checks": [c.to_json() for c in r.verdict.checks],
+                "notes": r.verdict.notes,
+                "exchanges": [x.to_json() for x in r.evidence.exchanges],
+            }
+            for r in results
+        ],
+    }
+
+
+# --- the timeline picture -----------------------------------------------------------------------------
+
+WIDTH = 940
+LABEL_W = 150
+RIGHT = 20
+LANE_H = 38
+TOP = 8
+AXIS_H = 26
+OUTCOME_COLOURS = {
+    "failed": "#d9534f",
+    "completed": "#4cae4c",
+    "interrupted": "#f0ad4e",
+    "cancelled": "#8c8c8c",
+    "released": "#5bc0de",
+    "holding": "#5bc0de",
+    "writing_ahead": "#5bc0de",
+    "passed_through": "#b0b0b0",
+}
+KEY_EVENTS = {
+    "first_delta_sent": "first delta",
+    "retry_triggered": "retry",
+    "retry_refused": "no retry",
+    "replica_lost": "replica lost",
+    "attempt_fenced": "fenced",
+    "stream_terminated": "terminated",
+    "stream_reset": "reset",
+    "client_disconnected": "client gone",
+    "request_failed": "failed",
+    "stream_completed": "completed",
+    "response_replaced": "replaced",
+}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+class _Scale:
+    def __init__(self, t0: float, t1: float) -> None:
+        self.t0 = t0
+        self.span = max(t1 - t0, 0.05)
+        self.plot_w = WIDTH - LABEL_W - RIGHT
+
+    def x(self, t: float) -> float:
+        return LABEL_W + max(0.0, min(1.0, (t - self.t0) / self.span)) * self.plot_w
+
+    def ticks(self) -> list[float]:
+        raw = self.span / 6
+        magnitude = 10 ** math.floor(math.log10(raw))
+        step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+        return [i * step for i in range(int(self.span / step) + 1)]
+
+
+def _anchor(x: float) -> str:
+    """A label's x: it reads to the right of its mark, or to the left near the picture's right edge."""
+    if x > WIDTH - 110:
+        return f'x="{x - 4:.1f}" text-anchor="end"'
+    return f'x="{x:.1f}"'
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _attempt_span(x: Exchange, attempt: dict[str, Any], end_default: float) -> tuple[float | None, float]:
+    n = attempt.get("attempt")
+    lease = attempt.get("lease") if isinstance(attempt.get("lease"), dict) else {}
+    start = next(
+        (_num(e.get("t")) for e in x.trace if e.get("event") == "attempt_started" and e.get("attempt") == n),
+        None,
+    ) or _num(lease.get("granted_at"))
+    end = (
+        next(
+            (
+                _num(e.get("t"))
+                for e in x.trace
+                if e.get("event") == "attempt_failed" and e.get("attempt") == n
+            ),
+            None,
+        )
+        or _num(lease.get("stopped_at"))
+        or _num(lease.get("revoked_at"))
+        or end_default
+    )
+    return start, end
+
+
+def timeline_svg(x: Exchange) -> str:
+    """One request's timeline: the client's events, each attempt as a bar on its replica's lane (with its
+    lease and fence marks and, for a simulator, the replica's own view), the gateway's journal events and
+    the hooks run against a replica."""
+    t0 = x.sent_at
+    times = [x.ended_at, x.headers_at, x.disconnected_at]
+    times += [_num(e.get("t")) for e in x.trace]
+    for a in x.attempts:
+        lease = a.get("lease") if isinstance(a.get("lease"), dict) else {}
+        times += [_num(lease.get(k)) for k in ("granted_at", "stopped_at", "revoked_at")]
+    times += [_num(r.get("t_end")) for r in x.replica_records]
+    times += [h.ended_at for h in x.hooks]
+    # Marks far outside the request (a skewed clock) would squash the picture; they are clamped instead.
+    finite = [t for t in times if t is not None and t0 - 5 <= t <= t0 + 3600]
+    t_end = max([t0 + 0.05, *finite])
+    scale = _Scale(t0, t_end)
+    end_default = x.ended_at or t_end
+
+    replicas: list[str] = []
+    for a in x.attempts:
+        if str(a.get("replica")) not in replicas:
+            replicas.append(str(a.get("replica")))
+    names = _replica_names(x)
+    lanes = ["client", "gateway", *replicas]
+    if not x.attempts and x.replica_records:
+        lanes += sorted({f"replica {r.get('replica')}" for r in x.replica_records})
+    height = TOP + LANE_H * len(lanes) + AXIS_H
+    out: list[str] = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} {height}" '
+        f'width="{WIDTH}" height="{height}" role="img" aria-label="timeline of {_e(x.label)}">'
+    ]
+
+    def lane_y(i: int) -> float:
+        return TOP + LANE_H * i + LANE_H / 2
+
+    for i, lane in enumerate(lanes):
+        y = lane_y(i)
+        shade = "#f7f7f7" if i % 2 == 0 else "#ffffff"
+        out.append(f'<rect x="0" y="{y - LANE_H / 2}" width="{WIDTH}" height="{LANE_H}" fill="{shade}"/>')
+        label = lane if lane in ("client", "gateway") or lane.startswith("replica ") else f"replica {lane}"
+        if lane in names:
+            label = f"{names[lane]} {lane}"
+        out.append(f'<text x="6" y="{y + 4}" class="lane">{_e(_cut(label, 24))}</text>')
+    axis_y = TOP + LANE_H * len(lanes)
+    for tick in scale.ticks():
+        tx = scale.x(t0 + tick)
+        out.append(f'<line x1="{tx:.1f}" y1="{TOP}" x2="{tx:.1f}" y2="{axis_y}" class="grid"/>')
+        out.append(f'<text x="{tx:.1f}" y="{axis_y + 16}" class="tick">{tick:g}s</text>')
+
+    _client_lane(out, x, scale, lane_y(0))
+    _gateway_lane(out, x, scale, lane_y(1))
+    for a in x.attempts:
+        i = lanes.index(str(a.get("replica")))
+        _attempt_bar(out, x, a, scale, lane_y(i), end_default)
+    for r in x.replica_records:
+        if r.get("event") != "end":
+            continue
+        lane = next(
+            (str(a.get("replica")) for a in x.attempts if a.get("attempt_id") == r.get("attempt_id")),
+            f"replica {r.get('replica')}",
+        )
+        if lane in lanes:
+            _replica_view(out, r, scale, lane_y(lanes.index(lane)))
+    for h in x.hooks:
+        hx = scale.x(h.started_at)
+        out.append(
+            f'<g class="hook"><title>{_e(h.describe())}</title>'
+            f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/>'
+            f'<text x="{hx + 3:.1f}" y="{axis_y - 3}">{_e(h.action)}</text></g>'
+        )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _replica_names(x: Exchange) -> dict[str, str]:
+    """Journal address -> the simulator's own name, joined on attempt_id."""
+    names: dict[str, str] = {}
+    for a in x.attempts:
+        for r in x.replica_records:
+            if r.get("attempt_id") == a.get("attempt_id") and r.get("replica"):
+                names[str(a.get("replica"))] = str(r.get("replica"))
+    return names
+
+
+def _client_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
+    end = x.ended_at or x.sent_at
+    out.append(
+        f'<line x1="{scale.x(x.sent_at):.1f}" y1="{y}" x2="{scale.x(end):.1f}" y2="{y}" class="span"/>'
+        f"<g><title>{_e(f'{x.method} {x.path} sent (key {x.request_id})')}</title>"
+        f'<rect x="{scale.x(x.sent_at) - 1:.1f}" y="{y - 9}" width="3" height="18" fill="#333"/></g>'
+    )
+    if x.headers_at is not None:
+        hx = scale.x(x.headers_at)
+        error = x.json_error()
+        text = f"HTTP {x.status}" + (f" {error.get('code')}" if error else "")
+        cls = "err" if x.status >= 400 else "status"
+        out.append(
+            f"<g><title>{_e(text)} at +{x.headers_at - x.sent_at:.3f}s</title>"
+            f'<rect x="{hx - 1:.1f}" y="{y - 7}" width="2" height="14" class="{cls}"/>'
+            f'<text {_anchor(hx + 3)} y="{y - 9}" class="{cls}">{_e(_cut(text, 40))}</text></g>'
+        )
+    if x.is_event_stream:
+        view = read_stream(x)
+        for e in view.events:
+            if e.t is None:
+                continue
+            ex = scale.x(e.t)
+            at = f"+{e.t - x.sent_at:.3f}s"
+            if e.kind == "content":
+                out.append(
+                    f'<line x1="{ex:.1f}" y1="{y - 5}" x2="{ex:.1f}" y2="{y + 5}" class="content">'
+                    f"<title>content event {at}: {_e(_cut(json.dumps(e.data), 300))}</title></line>"
+                )
+            elif e.kind == "frame":
+                out.append(
+                    f"<g><title>terminal frame {at}: {_e(json.dumps(e.data))}</title>"
+                    f'<path d="M{ex:.1f},{y - 8} l7,8 l-7,8 l-7,-8 z" class="frame"/></g>'
+                )
+            elif e.kind == "done":
+                out.append(
+                    f'<g><title>[DONE] {at}</title><circle cx="{ex:.1f}" cy="{y}" r="5" class="done"/></g>'
+                )
+            else:
+                out.append(
+                    f'<line x1="{ex:.1f}" y1="{y - 3}" x2="{ex:.1f}" y2="{y + 3}" class="minor">'
+                    f"<title>{_e(e.kind)} event {at}</title></line>"
+                )
+    if x.disconnected_at is not None:
+        _cross(
+            out,
+            scale.x(x.disconnected_at),
+            y,
+            "gone",
+            f"the client left at +{x.disconnected_at - x.sent_at:.3f}s",
+        )
+    elif x.transport_error:
+        _cross(out, scale.x(end), y, "reset", f"{x.transport_error} at +{end - x.sent_at:.3f}s")
+
+
+def _cross(out: list[str], cx: float, y: float, cls: str, title: str) -> None:
+    out.append(
+        f'<g class="{cls}"><title>{_e(title)}</title>'
+        f'<path d="M{cx - 6:.1f},{y - 6} l12,12 m0,-12 l-12,12"/></g>'
+    )
+
+
+def _gateway_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
+    if not x.trace and x.has_record and (x.journal or {}).get("trace"):
+        out.append(
+            f'<text x="{LABEL_W + 4}" y="{y + 4}" class="muted">{_e((x.journal or {}).get("trace"))}</text>'
+        )
+    row = 0
+    for e in x.trace:
+        t = _num(e.get("t"))
+        if t is None:
+            continue
+        ex = scale.x(t)
+        name = str(e.get("event"))
+        out.append(
+            f'<g class="ev"><title>{_e(json.dumps(e))}</title><circle cx="{ex:.1f}" cy="{y}" r="3.5"/></g>'
+        )
+        if name in KEY_EVENTS:
+            row = (row + 1) % 2  # alternate above/below the line so neighbouring labels do not overlap
+            ty = y - 7 if row else y + 14
+            out.append(f'<text {_anchor(ex + 2)} y="{ty}" class="evl">{_e(KEY_EVENTS[name])}</text>')
+
+
+def _attempt_bar(
+    out: list[str], x: Exchange, a: dict[str, Any], scale: _Scale, y: float, end_default: float
+) -> None:
+    start, end = _attempt_span(x, a, end_default)
+    if start is None:
+        return
+    outcome = str(a.get("outcome"))
+    colour = OUTCOME_COLOURS.get(outcome, "#999")
+    x1, x2 = scale.x(start), max(scale.x(end), scale.x(start) + 2)
+    detail = f" ({a.get('detail')})" if a.get("detail") else ""
+    title = f"attempt {a.get('attempt')} {a.get('attempt_id')} on {a.get('replica')}: {outcome}{detail}"
+    out.append(
+        f"<g><title>{_e(title)}</title>"
+        f'<rect x="{x1:.1f}" y="{y - 11}" width="{x2 - x1:.1f}" height="12" rx="2" fill="{colour}"/>'
+        f'<text {_anchor(x1 + 2)} y="{y - 13}" class="bar">#{_e(a.get("attempt"))} '
+        f"{_e(outcome + detail)}</text></g>"
+    )
+    lease = a.get("lease") if isinstance(a.get("lease"), dict) else {}
+    for key, glyph, cls in (
+        ("granted_at", "M{x},{y} l-4,6 h8 z", "grant"),
+        ("revoked_at", "M{x},{y} l-4,-6 h8 z", "revoke"),
+    ):
+        t = _num(lease.get(key))
+        if t is not None:
+            lx = scale.x(t)
+            yy = y + 2 if key == "granted_at" else y + 9
+            out.append(
+                f'<g class="{cls}"><title>lease {_e(lease.get("lease_id"))} {key.replace("_at", "")} '
+                f'+{t - x.sent_at:.3f}s</title><path d="{glyph.format(x=f"{lx:.1f}", y=yy)}"/></g>'
+            )
+    for e in x.trace:
+        if e.get("attempt") != a.get("attempt") or e.get("event") not in ("attempt_fenced", "replica_lost"):
+            continue
+        t = _num(e.get("t"))
+        if t is None:
+            continue
+        fx = scale.x(t)
+        word = "fenced" if e.get("event") == "attempt_fenced" else "lost"
+        out.append(
+            f'<g class="fence"><title>{_e(json.dumps(e))}</title>'
+            f'<line x1="{fx:.1f}" y1="{y - 14}" x2="{fx:.1f}" y2="{y + 4}"/>'
+            f'<text x="{fx + 2:.1f}" y="{y + 14}">{word}</text></g>'
+        )
+
+
+def _replica_view(out: list[str], r: dict[str, Any], scale: _Scale, y: float) -> None:
+    """The replica's own record of the attempt: a thin bar under the gateway's, the client's departure."""
+    start, end = _num(r.get("t_start")), _num(r.get("t_end"))
+    if start is None or end is None:
+        return
+    title = (
+        f"replica {r.get('replica')} log: {r.get('outcome')}, {r.get('content_events_written')} content "
+        f"events written, faults {r.get('faults_fired')}"
+    )
+    x1, x2 = scale.x(start), max(scale.x(end), scale.x(start) + 2)
+    out.append(
+        f'<g class="rlog"><title>{_e(title)}</title>'
+        f'<rect x="{x1:.1f}" y="{y + 4}" width="{x2 - x1:.1f}" height="4"/></g>'
+    )
+    gone = _num(r.get("client_gone_at"))
+    if gone is not None:
+        _cross(out, scale.x(gone), y + 6, "gone", f"the replica saw the client go (cancel) at {gone:.3f}")
+
+
+# --- HTML ---------------------------------------------------------------------------------------------
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:980px;color:#222}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 4px} .meta,.muted{color:#666}
+table.summary{border-collapse:collapse;width:100%;margin:12px 0}
+table.summary td,table.summary th{border-bottom:1px solid #e3e3e3;padding:4px 6px;text-align:left;
+vertical-align:top}
+.badge{font-weight:600;padding:1px 7px;border-radius:3px;color:#fff}
+.PASS{background:#4cae4c} .FAIL{background:#d9534f}
+section{border-top:2px solid #eee} section.fail{border-top-color:#d9534f}
+ul.checks{list-style:none;padding-left:0} ul.checks li{margin:2px 0}
+li.ok::before{content:"\\2713  ";color:#4cae4c}
+li.bad::before{content:"\\2717  ";color:#d9534f;font-weight:700}
+li.bad{color:#a02622} .seen{color:#666;font-size:12.5px;display:block;margin-left:20px}
+.note{color:#8a6d3b} figure{margin:10px 0 4px} figcaption{font-size:13px;color:#444;margin-bottom:2px}
+pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
+.legend span{display:inline-block;margin-right:14px;font-size:12.5px}
+.sw{display:inline-block;width:12px;height:10px;margin-right:4px;vertical-align:-1px}
+svg.timeline{max-width:100%;height:auto;font:11px system-ui,sans-serif}
+svg .lane{fill:#333} svg .tick{fill:#888;text-anchor:middle} svg .grid{stroke:#e4e4e4}
+svg .span{stroke:#bbb;stroke-width:2} svg .content{stroke:#2a6fdb;stroke-width:1.5}
+svg .minor{stroke:#aaa} svg .frame{fill:#f0ad4e;stroke:#a66} svg .done{fill:#4cae4c}
+svg .status{fill:#333} svg .err{fill:#d9534f} svg text.err{fill:#d9534f}
+svg .reset path{stroke:#d9534f;stroke-width:2.5} svg .gone path{stroke:#8e44ad;stroke-width:2.5}
+svg .ev circle{fill:#666} svg .evl{fill:#555;font-size:10px} svg .bar{fill:#333;font-size:10px}
+svg .grant path{fill:#2e7d32} svg .revoke path{fill:#c62828}
+svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fence text{font-size:10px;fill:#000}
+svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hook text{fill:#8e44ad}
+svg .rlog rect{fill:#777} svg .muted{fill:#888}
+"""
+
+LEGEND = (
+    '<p class="legend">'
+    '<span><i class="sw" style="background:#2a6fdb"></i>content event</span>'
+    '<span><i class="sw" style="background:#f0ad4e"></i>terminal frame</span>'
+    '<span><i class="sw" style="background:#4cae4c"></i>[DONE] / completed attempt</span>'
+    '<span><i class="sw" style="background:#d9534f"></i>reset / failed attempt</span>'
+    '<span><i class="sw" style="background:#8e44ad"></i>client gone / hook</span>'
+    '<span><i class="sw" style="background:#2e7d32"></i>lease granted</span>'
+    '<span><i class="sw" style="background:#c62828"></i>lease revoked</span>'
+    '<span><i class="sw" style="background:#777"></i>the replica\'s own log</span>'
+    "</p>"
+)
+
+
+PICTURE_HELP = (
+    "Each picture: seconds from the moment the drill sent the request. Lanes: what the client got; the "
+    "gateway's journal events; one lane per replica with its attempts (bars, coloured by outcome; lease "
+    "grant/revoke marks, fence and loss marks; for a simulator its own log as a thin bar). Hover for "
+    "details. Journal times come from the gateway host's clock."
+)
+
+
+def _pre(text: str, limit: int = 48 * 1024) -> str:
+    cut = text[:limit] + (f"\n… ({len(text) - limit} more characters)" if len(text) > limit else "")
+    return f"<pre>{_e(cut)}</pre>"
+
+
+def _exchange_html(x: Exchange) -> str:
+    parts = [
+        "<figure>",
+        f"<figcaption><b>{_e(x.label)}</b>: {_e(x.method)} {_e(x.path)} · key <code>{_e(x.request_id)}</code>"
+        + (f" · <code>x-sim-fault: {_e(x.fault)}</code>" if x.fault else "")
+        + f" · HTTP {x.status or '—'}"
+        + (f" · {_e(x.transport_error)}" if x.transport_error else "")
+        + "</figcaption>",
+        timeline_svg(x),
+        "</figure>",
+        f"<details><summary>what the client got ({len(x.body)} bytes)</summary>"
+        f"{_pre(x.body.decode('utf-8', 'replace'))}</details>",
+    ]
+    if x.journal is not None:
+        parts.append(
+            f"<details><summary>journal record (look-up HTTP {x.journal_status})</summary>"
+            f"{_pre(json.dumps(x.journal, indent=1))}</details>"
+        )
+    if x.replica_records:
+        lines = "\n".join(json.dumps(r) for r in x.replica_records)
+        summary = f"replica log ({len(x.replica_records)} records)"
+        parts.append(f"<details><summary>{summary}</summary>{_pre(lines)}</details>")
+    if x.hooks:
+        lines = "\n".join(f"{h.describe()}\n  $ {h.command}\n{h.output}" for h in x.hooks)
+        parts.append(f"<details><summary>hooks</summary>{_pre(lines)}</details>")
+    return "".join(parts)
+
+
+def _checks_html(checks: Iterable[Any]) -> str:
+    items = []
+    for c in checks:
+        cls = "ok" if c.ok else "bad"
+        items.append(f'<li class="{cls}">{_e(c.what)}<span class="seen">seen: {_e(c.seen)}</span></li>')
+    return '<ul class="checks">' + "".join(items) + "</ul>"
+
+
+def html_report(info: RunInfo, results: Sequence[Result]) -> str:
+    passed = sum(r.passed for r in results)
+    verdict = "PASS" if results and passed == len(results) else "FAIL"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started_at))
+    rows = []
+    for r in results:
+        v = "PASS" if r.passed else "FAIL"
+        first = r.verdict.failed[0].what if r.verdict.failed else ""
+        ok = sum(c.ok for c in r.verdict.checks)
+        rows.append(
+            f'<tr><td><a href="#{_e(r.scenario.name)}">{_e(r.scenario.name)}</a></td>'
+            f'<td>{_e(r.fault)}</td><td><span class="badge {v}">{v}</span></td>'
+            f"<td>{ok}/{len(r.verdict.checks)}</td><td>{r.seconds:.1f}s</td><td>{_e(first)}</td></tr>"
+        )
+    sections = []
+    for r in results:
+        v = "PASS" if r.passed else "FAIL"
+        notes = "".join(f'<p class="note">note: {_e(n)}</p>' for n in r.verdict.notes)
+        sections.append(
+            f'<section id="{_e(r.scenario.name)}" class="{v.lower()}">'
+            f'<h2>{_e(r.scenario.name)} — {_e(r.scenario.title)} <span class="badge {v}">{v}</span></h2>'
+            f"<p><b>Promise</b> ({_e(r.scenario.source)}): {_e(r.scenario.promise)}</p>"
+            f"<p><b>Fault</b>: {_e(r.fault)} · {r.seconds:.1f}s</p>"
+            f"{_checks_html(r.verdict.checks)}{notes}"
+            + "".join(_exchange_html(x) for x in r.evidence.exchanges)
+            + "</section>"
+        )
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>router-sidecar drill: {verdict} ({passed}/{len(results)})</title>"
+        f"<style>{CSS}</style></head><body>"
+        f"<h1>router-sidecar drill: {passed}/{len(results)} scenarios passed "
+        f'<span class="badge {verdict}">{verdict}</span></h1>'
+        f'<p class="meta">gateway {_e(info.gateway)} · fault mode {_e(info.fault_mode)} · model '
+        f"{_e(info.model)} · run {_e(info.run_id)} · {when} · {info.seconds:.1f}s</p>"
+        '<table class="summary"><tr><th>scenario</th><th>fault</th><th>verdict</th><th>checks</th>'
+        "<th>time</th><th>first violation</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + LEGEND
+        + f'<p class="muted">{_e(PICTURE_HELP)}</p>'
+        + "".join(sections)
+        + "</body></html>\n"
+    )

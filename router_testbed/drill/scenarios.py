@@ -1,0 +1,457 @@
+"""The scenario matrix: what each scenario promises, the request(s) it sends, the fault and the verdict.
+
+The article's test section asks for a replica killed during prefill, after computing a token, right after
+the first delta, a path lost with the process alive, and a worker killed after a tool call; the README
+adds the ways an upstream ends wrongly after the first delta, and the failure classes of DESIGN §3 (slow
+is not failed, a client that leaves is cancelled). Each scenario runs in the fault modes that can produce
+its fault:
+
+* ``sim``: the simulator's per-request fault header (``x-sim-fault``, see `router_testbed.sim.faults`);
+* ``hooks``: shell hooks against real replicas (``--kill-cmd``, ``--freeze-cmd``/``--thaw-cmd``);
+* ``none``: no fault at all; only scenarios that need none.
+
+A driver sends the requests and records evidence (`client.py`); the judge (`verdicts.py`) decides.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router_testbed.drill import verdicts as v
+from router_testbed.drill.client import Client, Reaction
+from router_testbed.drill.evidence import Exchange, HookRun, SseEvent
+from router_testbed.drill.hooks import Hooks
+
+CHAT = "/v1/chat/completions"
+MODES = ("sim", "hooks", "none")
+SHORT_TOKENS = 8
+SIM_LONG_TOKENS = 40  # the simulator's faults pause a stream where needed; no need for a long one
+# Just over the default limits.max_request_body_bytes (4 MiB): the gateway's own documented refusal.
+DEFAULT_OVERSIZE = 4 * 1024 * 1024 + 1024
+
+
+@dataclass
+class Context:
+    """One drill run's settings, shared by every scenario."""
+
+    client: Client
+    mode: str  # sim | hooks | none
+    model: str
+    run_id: str
+    hooks: Hooks = field(default_factory=Hooks)
+    tool: str | None = None  # NAME or NAME/PATH of a tool routed under /tools/
+    long_tokens: int = 400  # a stream long enough to be cut mid-way on a real engine
+    oversize_bytes: int = 4 * 1024 * 1024 + 1024
+    timeout: float = 30.0
+
+    @property
+    def sim(self) -> bool:
+        return self.mode == "sim"
+
+    def key(self, scenario: str, n: int = 1) -> str:
+        """An Idempotency-Key (= the gateway's request id) unique to this run, scenario and request."""
+        return f"drill-{self.run_id}-{scenario}-{n}"
+
+    def chat(self, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "Drill: tell me a short story."}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            # A fixed seed makes a simulated replica's generation known in advance (the text oracle).
+            "seed": 7,
+            # Usage in every event: the client's own token count, exact on a real engine too.
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            # A real engine generates exactly max_tokens, so a stream is as long as the scenario needs.
+            "ignore_eos": True,
+            **extra,
+        }
+
+    def expected_pieces(self, body: dict[str, Any]) -> tuple[str, ...] | None:
+        """The text of each content event a simulated replica writes for `body` (None outside sim mode)."""
+        if not self.sim:
+            return None
+        from router_testbed.sim import generation as gen
+
+        try:
+            request = gen.parse_request("chat", json.dumps(body).encode(), served_model=str(body["model"]))
+        except gen.RequestError:
+            return None
+        output = gen.plan_output(request, 0)  # the request's own seed wins over the server's
+        return tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in output.pieces)
+
+
+Driver = Callable[[Context, "Scenario"], v.Evidence]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str  # for --scenario
+    title: str
+    promise: str  # what the article / the README promises, in a sentence
+    source: str  # where the promise comes from
+    checked: str  # what the verdict checks, in a sentence (docs, report)
+    drive: Driver
+    judge: v.Judge
+    sim_fault: str | None = None  # the x-sim-fault header in sim mode
+    hooks: tuple[str, ...] = ()  # the hook actions it needs in hooks mode
+    needs_fault: bool = True  # False: runs in every mode without any fault
+    needs_tool: bool = False
+    expect: dict[str, Any] = field(default_factory=dict)  # passed to the judge (what the fault leads to)
+
+    def runs_in(self, mode: str, hooks: Hooks, tool: str | None) -> tuple[bool, str]:
+        """Whether it runs in this mode, and if not, why (for a clear usage error)."""
+        if self.needs_tool and not tool:
+            return False, "needs --tool NAME (a tool service routed by the gateway under /tools/NAME/)"
+        if not self.needs_fault:
+            return True, ""
+        if mode == "sim":
+            return (self.sim_fault is not None, "has no simulator fault")
+        if mode == "hooks":
+            if not self.hooks:
+                return False, "needs the simulator's fault header (--fault-mode sim)"
+            missing = [a for a in self.hooks if not hooks.can(a)]
+            if missing:
+                return False, "needs " + " and ".join(f"--{a}-cmd" for a in missing)
+            return True, ""
+        return False, "needs a fault (--fault-mode sim or hooks)"
+
+    def fault_in(self, mode: str) -> str:
+        """The fault this scenario injects in `mode`, for the report."""
+        if not self.needs_fault:
+            # A pause that keeps the stream running while the drill acts; not a failure.
+            return f"x-sim-fault: {self.sim_fault}" if mode == "sim" and self.sim_fault else "none"
+        if mode == "sim":
+            return f"x-sim-fault: {self.sim_fault}"
+        if mode == "hooks":
+            return " then ".join(f"{a} hook" for a in self.hooks) + " on the serving replica"
+        return "none"
+
+
+# --- drivers ------------------------------------------------------------------------------------------
+
+
+def _request(ctx: Context, sc: Scenario, label: str, body: dict[str, Any], n: int = 1) -> Exchange:
+    fault = sc.sim_fault if ctx.sim else None
+    x = Exchange(label, "POST", CHAT, ctx.key(sc.name, n), fault=fault)
+    x.expected_pieces = ctx.expected_pieces(body)
+    return x
+
+
+def drive_one(ctx: Context, sc: Scenario) -> v.Evidence:
+    """One streamed request (with the scenario's fault header in sim mode), read to its end."""
+    body = ctx.chat(SHORT_TOKENS)
+    x = _request(ctx, sc, "the request", body)
+    ctx.client.send(x, json_body=body)
+    ctx.client.settle(x, timeout=ctx.timeout)
+    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect))
+
+
+def drive_hook_after_first_delta(ctx: Context, sc: Scenario) -> v.Evidence:
+    """Sim mode: like `drive_one`. Hooks mode: a long stream; at its first content event the drill looks up
+    which replica serves it (the journal names the attempt's replica while it runs) and runs the
+    scenario's first hook against it; a freeze is thawed once the stream ended."""
+    if ctx.sim:
+        return drive_one(ctx, sc)
+    body = ctx.chat(ctx.long_tokens)
+    x = _request(ctx, sc, "the request", body)
+    runs: list[HookRun] = []
+    target: list[str] = []
+    action = sc.hooks[0]
+
+    def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
+        if content >= 1 and not runs and ex.request_id is not None:
+            replica = ctx.client.serving_replica(ex.request_id)
+            if replica is None:
+                runs.append(HookRun(action, "?", "", time.time(), time.time(), 1, "no replica in journal"))
+                return None
+            target.append(replica)
+            runs.append(ctx.hooks.run(action, replica))
+        return None
+
+    try:
+        ctx.client.send(x, json_body=body, on_event=on_event)
+    finally:
+        for follow_up in sc.hooks[1:]:  # thaw: whatever happened, the replica is not left frozen
+            if target:
+                runs.append(ctx.hooks.run(follow_up, target[0]))
+    x.hooks = runs
+    ctx.client.settle(x, timeout=ctx.timeout)
+    # What a simulator's fault leads to (e.g. its content count) says nothing about a real replica's.
+    expect = {"end_within_seconds": ctx.timeout}
+    return v.Evidence([x], sim=False, expect=expect, hooks=runs)
+
+
+def drive_disconnect(ctx: Context, sc: Scenario) -> v.Evidence:
+    """A stream the client leaves after its third content event (the simulator pauses there, so it is
+    still running); then the journal and the replica's log are read."""
+    leave_after = int(sc.expect.get("leave_after", 3))
+    body = ctx.chat(SIM_LONG_TOKENS if ctx.sim else ctx.long_tokens)
+    x = _request(ctx, sc, "the request", body)
+
+    def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
+        return "leave" if content >= leave_after else None
+
+    ctx.client.send(x, json_body=body, on_event=on_event)
+    ctx.client.settle(x, timeout=ctx.timeout)
+    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect))
+
+
+def drive_duplicate(ctx: Context, sc: Scenario) -> v.Evidence:
+    """The first request streams (paused after its first delta in sim mode); at its first content event the
+    same Idempotency-Key is sent again; once the first ended, once more."""
+    body = ctx.chat(SHORT_TOKENS if ctx.sim else ctx.long_tokens)
+    first = _request(ctx, sc, "the first request", body)
+    dup = Exchange("the duplicate", "POST", CHAT, first.request_id)
+    after = Exchange("after completion", "POST", CHAT, first.request_id)
+
+    def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
+        if content == 1 and dup.sent_at == 0.0:
+            ctx.client.send(dup, json_body=body)
+        return None
+
+    ctx.client.send(first, json_body=body, on_event=on_event)
+    ctx.client.settle(first, timeout=ctx.timeout)
+    ctx.client.send(after, json_body=body)
+    return v.Evidence([first, dup, after], sim=ctx.sim, expect=dict(sc.expect))
+
+
+def drive_malformed(ctx: Context, sc: Scenario) -> v.Evidence:
+    """Three bad requests: a body that is not JSON, a body over the size limit, a model nobody serves."""
+    client = ctx.client
+    bad_json = Exchange("invalid JSON", "POST", CHAT, ctx.key(sc.name, 1))
+    client.send(bad_json, content=b'{"model": "' + ctx.model.encode() + b'", "messages": [')
+    oversize = Exchange("oversize body", "POST", CHAT, ctx.key(sc.name, 2))
+    big = ctx.chat(SHORT_TOKENS, messages=[{"role": "user", "content": "x" * ctx.oversize_bytes}])
+    client.send(oversize, json_body=big)
+    unknown = Exchange("unknown model", "POST", CHAT, ctx.key(sc.name, 3))
+    client.send(unknown, json_body=ctx.chat(SHORT_TOKENS, model=f"drill-no-such-model-{ctx.run_id}"))
+    for x in (bad_json, oversize, unknown):
+        client.settle(x, expect_record=False, timeout=ctx.timeout)
+    return v.Evidence([bad_json, oversize, unknown], sim=ctx.sim, expect=dict(sc.expect))
+
+
+def drive_tool_replay(ctx: Context, sc: Scenario) -> v.Evidence:
+    """The same tool call twice with one key, then another body with the same key."""
+    assert ctx.tool is not None
+    name, _, action = ctx.tool.partition("/")
+    path = f"/tools/{name}/{action or 'drill'}"
+    key = f"{ctx.key(sc.name)}:call_01"
+    call = Exchange("the call", "POST", path, key)
+    replay = Exchange("the same call again", "POST", path, key)
+    other = Exchange("another body, same key", "POST", path, key)
+    body = {"drill": ctx.run_id, "amount": 1}
+    ctx.client.send(call, json_body=body)
+    ctx.client.send(replay, json_body=body)
+    ctx.client.send(other, json_body={**body, "amount": 2})
+    return v.Evidence([call, replay, other], sim=ctx.sim, expect=dict(sc.expect))
+
+
+# --- the matrix ---------------------------------------------------------------------------------------
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "healthy",
+        "healthy request",
+        "No fault: one complete answer from one attempt.",
+        "baseline",
+        "exactly one [DONE], one finish, one completion id; journal completed, 1 attempt, count = client's",
+        drive_one,
+        v.judge_healthy,
+        needs_fault=False,
+    ),
+    Scenario(
+        "dies-in-prefill",
+        "replica dies during prefill",
+        "Killed before the first downstream byte: retried on another replica, one complete answer; the "
+        "client sees no trace of the failure.",
+        "article, test 1",
+        "one complete answer; journal completed with 2 attempts, the first failed, another replica, leases "
+        "one after the other; the replica log shows the fault fired before any content",
+        drive_one,
+        v.judge_retried,
+        sim_fault="reset@role attempt=1",
+    ),
+    Scenario(
+        "dies-after-token",
+        "replica dies after computing a token",
+        "200 and the role event sent, the process gone before the first content event: still retried; "
+        "the client sees no fragment.",
+        "article, test 2",
+        "as dies-in-prefill: one complete answer from attempt 2, no byte of attempt 1 (one completion id)",
+        drive_one,
+        v.judge_retried,
+        sim_fault="reset@token:1 attempt=1",
+    ),
+    Scenario(
+        "dies-after-first-delta",
+        "replica dies after the first delta",
+        "The first delta was delivered: no retry, no second answer. The client gets the prefix, then a "
+        "reset (or one terminal frame); the journal keeps the facts under the request id.",
+        "article, test 3",
+        "the prefix of one attempt, then a reset without [DONE] or one frame; journal interrupted, "
+        "1 attempt, client <= delivered_output_tokens <= written; x-request-id names the record",
+        drive_hook_after_first_delta,
+        v.judge_death_after_first_delta,
+        sim_fault="delay@after:2 for=0.3; reset@after:2",
+        hooks=("kill",),
+        expect={"content_before_fault": 2},
+    ),
+    Scenario(
+        "ends-without-done",
+        "upstream ends cleanly without [DONE]",
+        "After the first delta the body ends cleanly but without [DONE] or a finish: exactly one terminal "
+        "frame, then [DONE] — never a silent cut.",
+        "README",
+        "3 content events, exactly one frame (code, request_id, partial_output, retryable=false, "
+        "delivered_output_tokens = client's) then [DONE]; journal interrupted with the same count",
+        drive_one,
+        v.judge_frame_after_first_delta,
+        sim_fault="close@after:3",
+        expect={"content_before_fault": 3},
+    ),
+    Scenario(
+        "error-after-first-delta",
+        "in-band error after the first delta",
+        "The replica writes its own error event after the first delta: the client gets the prefix and "
+        "exactly one terminal frame, never the replica's raw error.",
+        "README",
+        "2 content events, exactly one frame (the gateway's, not the replica's) then [DONE]; journal "
+        "interrupted with the client's count",
+        drive_one,
+        v.judge_frame_after_first_delta,
+        sim_fault="error@after:2",
+        expect={"content_before_fault": 2},
+    ),
+    Scenario(
+        "client-disconnect",
+        "client disconnects mid-stream",
+        "The client leaves: the upstream attempt is cancelled (the replica sees it go) and no other "
+        "attempt starts.",
+        "article (failure class 4)",
+        "journal cancelled/client_disconnected, 1 attempt, none started after the client left, client <= "
+        "count <= written; the replica log shows one request that saw the client go",
+        drive_disconnect,
+        v.judge_client_disconnect,
+        sim_fault="delay@after:3 for=2",
+        needs_fault=False,
+        expect={"leave_after": 3},
+    ),
+    Scenario(
+        "slow-replica",
+        "slow replica",
+        "A long prefill is not a failure: no soft-timeout failover; one attempt, one complete answer, late.",
+        "article (failure class 3)",
+        "one complete answer, 1 attempt, no attempt_failed/retry/replica_lost/fence in the trace, the "
+        "first content only after the replica's delay",
+        drive_one,
+        v.judge_slow_replica,
+        sim_fault="stall@headers for=0.5; delay@token:1 for=0.5",
+        expect={"min_first_content_seconds": 1.0},
+    ),
+    Scenario(
+        "all-replicas-fail",
+        "all replicas failing",
+        "Every allowed attempt fails before content: exactly one JSON error naming the request and why; "
+        "never a partial body or a dead attempt's bytes.",
+        "DESIGN §8.8",
+        "HTTP 502/503 JSON retries_exhausted with this request_id, no SSE bytes; journal failed, every "
+        "attempt failed, 0 delivered, leases one after the other",
+        drive_one,
+        v.judge_all_replicas_fail,
+        sim_fault="reset@role",
+        expect={"code": "retries_exhausted"},
+    ),
+    Scenario(
+        "duplicate-key",
+        "duplicate Idempotency-Key",
+        "Two requests with one key: one is served; the other is refused — 409 idempotency_key_in_flight "
+        "while the first runs, 409 request_already_finished after it — and never reaches a replica.",
+        "README",
+        "the first complete with 1 attempt; the duplicate 409 in flight (or finished, if the first had "
+        "ended); after completion 409 request_already_finished, outcome completed; one replica request",
+        drive_duplicate,
+        v.judge_duplicate_key,
+        sim_fault="delay@after:1 for=1",
+        needs_fault=False,
+    ),
+    Scenario(
+        "malformed-input",
+        "malformed input",
+        "A body that is not JSON, an oversize body and an unknown model get a clear 4xx JSON error "
+        "naming the request; nothing is served.",
+        "README, DESIGN §8.10",
+        "400 invalid_json and 413 request_too_large naming the request; the unknown model a 4xx JSON "
+        "error; no SSE bytes; nothing journaled as served",
+        drive_malformed,
+        v.judge_malformed_input,
+        needs_fault=False,
+        expect={"codes": {"invalid JSON": "invalid_json", "oversize body": "request_too_large"}},
+    ),
+    Scenario(
+        "tool-replay",
+        "tool call replayed, not re-executed",
+        "A side-effecting tool call with an idempotency key executes once: the same call again gets the "
+        "stored answer; the same key on another call is refused.",
+        "article, test 5",
+        "the same call twice: identical answer, the second with x-idempotent-replay: true; another body "
+        "with the key: 422 idempotency_key_reused",
+        drive_tool_replay,
+        v.judge_tool_replay,
+        needs_fault=False,
+        needs_tool=True,
+    ),
+    Scenario(
+        "frozen-after-first-delta",
+        "replica frozen after the first delta",
+        "The serving replica stops answering but keeps its connection open (path lost, process alive): "
+        "the gateway loses it and ends the stream with one terminal frame within a bounded time.",
+        "article, test 4",
+        "the prefix, then exactly one frame and [DONE]; journal interrupted with replica_lost in the "
+        "trace; the time from the freeze to the end of the stream",
+        drive_hook_after_first_delta,
+        v.judge_frozen_after_first_delta,
+        hooks=("freeze", "thaw"),
+    ),
+)
+
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def run_order(selected: list[Scenario], mode: str) -> list[Scenario]:
+    """Matrix order, except that in hooks mode the scenarios that hurt a replica run last (a killed replica
+    comes back only when its own supervisor restarts it), the kill after the freeze."""
+    if mode != "hooks":
+        return selected
+    rank = {(): 0, ("freeze", "thaw"): 1, ("kill",): 2}
+    return sorted(selected, key=lambda s: rank.get(s.hooks if s.needs_fault else (), 0))
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    verdict: v.Verdict
+    evidence: v.Evidence
+    fault: str
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed
+
+
+def run_scenario(ctx: Context, sc: Scenario) -> Result:
+    started = time.monotonic()
+    try:
+        evidence = sc.drive(ctx, sc)
+        verdict = sc.judge(evidence)
+    except Exception as exc:  # a driver that broke is a failed scenario with its reason, not a crash
+        evidence = v.Evidence([], sim=ctx.sim)
+        verdict = v.Verdict()
+        verdict.check("the scenario ran", False, f"the drill's driver raised {type(exc).__name__}: {exc}")
+    verdict.notes[:0] = evidence.notes
+    return Result(sc, verdict, evidence, sc.fault_in(ctx.mode), time.monotonic() - started)

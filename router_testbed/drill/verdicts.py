@@ -1,0 +1,831 @@
+"""The drill's verdicts: pure functions of the recorded evidence (no I/O, no clock).
+
+Each scenario's judge turns its :class:`Evidence` into a :class:`Verdict`: a list of checks, each saying
+what was checked (the promise, in one line) and what was seen (always recorded; shown when it failed).
+The checks are those of DESIGN.md §8, read from the client's exact bytes, the gateway's journal record and,
+for simulated replicas, the replica's own log:
+
+1. the client gets content from at most one attempt;
+2. one complete generation ending in `[DONE]`, or a prefix followed by exactly one terminal frame and
+   `[DONE]` (or a transport reset when the replica died abruptly) — never a repeated fragment;
+3. `delivered_output_tokens` in the frame and the journal equal what the client got (after a reset or a
+   client disconnect: at least what it read, at most what the replica wrote);
+4. no two attempts held a valid lease at once;
+5. a client disconnect cancels the attempt and starts no other;
+8. a request that delivered nothing ends complete or with one JSON error naming the request and why;
+9. the journal's phase, outcome, first_delta_sent and attempts agree with what the client got.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router_testbed.drill.evidence import DONE, Exchange, HookRun, StreamView, read_stream
+
+INTERRUPTED = "upstream_decode_interrupted"
+# Text only a replica writes: its raw error must never reach a client as the gateway's answer.
+RAW_REPLICA_ERROR_MARKERS = (b"EngineCore encountered an issue",)
+# Journal events that mean the gateway treated the attempt as failed or lost.
+FAILOVER_EVENTS = frozenset({"attempt_failed", "retry_triggered", "replica_lost", "attempt_fenced"})
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str  # what was checked: the promise, in one line
+    ok: bool
+    seen: str  # what was seen
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": self.what, "ok": self.ok, "seen": self.seen}
+
+
+@dataclass
+class Verdict:
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # observations that are not violations
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def check(self, what: str, ok: bool, seen: str) -> bool:
+        self.checks.append(Check(what, bool(ok), seen))
+        return bool(ok)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+@dataclass
+class Evidence:
+    """Everything one scenario recorded."""
+
+    exchanges: list[Exchange]
+    sim: bool = False  # the replicas are the simulator (its faults were injected)
+    # What the scenario's fault leads to, e.g. {"content_before_fault": 2} (set by the scenario).
+    expect: dict[str, Any] = field(default_factory=dict)
+    hooks: list[HookRun] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the runner observed while driving the scenario
+
+    def get(self, label: str) -> Exchange | None:
+        return next((x for x in self.exchanges if x.label == label), None)
+
+    @property
+    def main(self) -> Exchange | None:
+        return self.exchanges[0] if self.exchanges else None
+
+
+Judge = Callable[[Evidence], Verdict]
+
+
+# --- small helpers ----------------------------------------------------------------------------------
+
+
+def _short(data: bytes | str, limit: int = 200) -> str:
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    return repr(text[:limit] + ("…" if len(text) > limit else ""))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _ended(x: Exchange, view: StreamView | None = None) -> str:
+    """How the response ended, in a few words."""
+    if x.status == 0:
+        return f"no HTTP response ({x.transport_error})"
+    if not x.is_event_stream:
+        return f"HTTP {x.status} {x.content_type or '(no content type)'} {_short(x.body, 160)}"
+    view = view or read_stream(x)
+    parts = [f"HTTP 200, {_plural(len(view.content), 'content event')}"]
+    if view.frames:
+        parts.append(f"{_plural(len(view.frames), 'error frame')} {[f.get('code') for f in view.frames]}")
+    parts.append(f"{view.done_count}× [DONE]")
+    if x.disconnected_at is not None:
+        parts.append("then the client left")
+    elif x.transport_error:
+        parts.append(f"then {x.transport_error.split(':')[0]}")
+    if view.torn_tail:
+        parts.append(f"{len(view.torn_tail)} bytes of a torn event")
+    return ", ".join(parts)
+
+
+def _journal_summary(x: Exchange) -> str:
+    if not x.has_record:
+        return f"no journal record (look-up answered HTTP {x.journal_status})"
+    j = x.journal or {}
+    return (
+        f"phase={j.get('phase')} outcome={j.get('outcome')} first_delta_sent={j.get('first_delta_sent')} "
+        f"delivered_output_tokens={j.get('delivered_output_tokens')} attempts={len(x.attempts)}"
+    )
+
+
+def _attempts_summary(x: Exchange) -> str:
+    return (
+        "; ".join(
+            f"#{a.get('attempt')} on {a.get('replica')}: {a.get('outcome')}"
+            + (f" ({a.get('detail')})" if a.get("detail") else "")
+            for a in x.attempts
+        )
+        or "none"
+    )
+
+
+def _trace_names(x: Exchange) -> list[str]:
+    return [str(e.get("event")) for e in x.trace]
+
+
+def _lease(attempt: dict[str, Any]) -> dict[str, Any]:
+    lease = attempt.get("lease")
+    return lease if isinstance(lease, dict) else {}
+
+
+# --- building blocks --------------------------------------------------------------------------------
+
+
+def check_record(v: Verdict, x: Exchange) -> bool:
+    """The gateway journaled the request and its record reached a terminal phase."""
+    settled = x.has_record and (x.journal or {}).get("phase") in (
+        "completed",
+        "interrupted",
+        "cancelled",
+        "rejected",
+        "failed",
+    )
+    v.check(
+        f"journal: the record of {x.request_id} is readable by its id and reached a terminal phase",
+        settled,
+        _journal_summary(x),
+    )
+    if settled:
+        j = x.journal or {}
+        v.check(
+            "journal: its attempt count matches the attempts it lists, each with an outcome",
+            j.get("attempt") == len(x.attempts) and all(a.get("outcome") for a in x.attempts),
+            f"attempt={j.get('attempt')}, listed: {_attempts_summary(x)}",
+        )
+    return settled
+
+
+def check_journal(v: Verdict, x: Exchange, phase: str, outcome: str, *, first_delta: bool) -> None:
+    j = x.journal or {}
+    v.check(
+        f"journal: phase={phase} outcome={outcome} first_delta_sent={first_delta}",
+        (j.get("phase"), j.get("outcome"), bool(j.get("first_delta_sent"))) == (phase, outcome, first_delta),
+        _journal_summary(x),
+    )
+
+
+def check_attempts(v: Verdict, x: Exchange, n: int) -> None:
+    v.check(
+        f"journal: exactly {_plural(n, 'attempt')}",
+        len(x.attempts) == n,
+        f"{_plural(len(x.attempts), 'attempt')}: {_attempts_summary(x)}",
+    )
+
+
+def check_leases(v: Verdict, x: Exchange) -> None:
+    """Invariant 4 from the journal: each attempt's lease was revoked before the next one's was granted,
+    and a fenced attempt was fenced before the next one started."""
+    if len(x.attempts) < 2:
+        return
+    problems = []
+    started = {
+        e.get("attempt"): float(e["t"])
+        for e in x.trace
+        if e.get("event") == "attempt_started" and isinstance(e.get("t"), int | float)
+    }
+    fenced = {
+        e.get("attempt"): float(e["t"])
+        for e in x.trace
+        if e.get("event") == "attempt_fenced" and isinstance(e.get("t"), int | float)
+    }
+    for earlier, later in itertools.pairwise(x.attempts):
+        n, m = earlier.get("attempt"), later.get("attempt")
+        revoked, granted = _lease(earlier).get("revoked_at"), _lease(later).get("granted_at")
+        if not _lease(earlier):
+            problems.append(f"attempt {n} has no lease record")
+        elif revoked is None:
+            problems.append(f"attempt {n}'s lease was never revoked, attempt {m}'s granted at {granted}")
+        elif granted is not None and revoked > granted:
+            problems.append(
+                f"attempt {n}'s lease revoked at {revoked}, {revoked - granted:.3f}s after attempt {m}'s "
+                "was granted"
+            )
+        if n in fenced and m in started and fenced[n] > started[m]:
+            problems.append(f"attempt {m} started at {started[m]} before attempt {n} was fenced")
+    v.check(
+        "journal: no two attempts held a valid lease at once (each revoked before the next was granted)",
+        not problems,
+        "; ".join(problems) or f"{len(x.attempts)} leases, one after the other",
+    )
+
+
+def check_stream_shape(v: Verdict, x: Exchange, view: StreamView) -> None:
+    """Invariants 1 and 2 on any SSE body: one attempt's events, whole JSON events, nothing after [DONE]."""
+    ids = view.ids
+    v.check(
+        "client: every event comes from one completion (content from at most one attempt)",
+        len(ids) <= 1,
+        f"completion ids {sorted(ids)}" if ids else "no completion id",
+    )
+    v.check(
+        "client: every complete event is JSON or [DONE], nothing after [DONE]",
+        not view.unparseable and not view.events_after_done,
+        f"{len(view.unparseable)} unparseable, {len(view.events_after_done)} after [DONE]"
+        + (f", e.g. {_short(view.unparseable[0])}" if view.unparseable else ""),
+    )
+    expected = x.expected_pieces
+    if expected is None or not view.content:
+        return
+    n = len(view.content)
+    if view.content and expected and view.text[: len(expected[0])] != expected[0]:
+        # Not the simulator's plain generation (an agent worker, another model): no text oracle.
+        v.note("the replica's text is not the simulator's plain generation: the prefix check was skipped")
+        return
+    want = "".join(expected[:n])
+    v.check(
+        "client: the delivered text is a prefix of the one generation (no repeated fragment, no 2nd answer)",
+        n <= len(expected) and view.text == want,
+        f"got {_short(view.text)}, expected {_short(want)}",
+    )
+
+
+def check_complete(v: Verdict, x: Exchange, *, attempts: int) -> StreamView | None:
+    """One complete answer ending in [DONE], and a journal that says so with `attempts` attempts."""
+    if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
+        return None
+    view = read_stream(x)
+    payloads = view.payloads
+    v.check(
+        "client: one complete answer: exactly one [DONE], last; no error frame; no reset",
+        view.done_count == 1
+        and bool(payloads)
+        and payloads[-1] == DONE
+        and not view.frames
+        and x.transport_error is None
+        and not view.torn_tail,
+        _ended(x, view),
+    )
+    finishes = view.finish_reasons
+    v.check(
+        "client: the generation finished once, not aborted",
+        len(finishes) == 1 and finishes[0] != "abort",
+        f"finish reasons {finishes}",
+    )
+    check_stream_shape(v, x, view)
+    if check_record(v, x):
+        check_journal(v, x, "completed", "completed", first_delta=True)
+        check_attempts(v, x, attempts)
+        j = x.journal or {}
+        v.check(
+            "journal: delivered_output_tokens equals what the client got",
+            j.get("delivered_output_tokens") == view.delivered_tokens,
+            f"journal {j.get('delivered_output_tokens')} ({j.get('delivered_output_tokens_source')}), "
+            f"client {view.delivered_tokens} ({_plural(len(view.content), 'content event')}, "
+            f"usage {view.usage_tokens})",
+        )
+        check_leases(v, x)
+    return view
+
+
+def check_retried(v: Verdict, x: Exchange) -> None:
+    """The first attempt failed before any content and the answer came from another replica."""
+    if len(x.attempts) < 2:
+        return
+    first, last = x.attempts[0], x.attempts[-1]
+    v.check(
+        "journal: attempt 1 failed before any content; the answer came from another replica",
+        first.get("outcome") == "failed" and first.get("replica") != last.get("replica"),
+        _attempts_summary(x),
+    )
+
+
+def check_frame(v: Verdict, x: Exchange, view: StreamView) -> None:
+    """Exactly one terminal frame, the gateway's, then [DONE], counting what the client got."""
+    frames = view.frames
+    v.check(
+        "client: exactly one terminal error frame, then [DONE], last",
+        len(frames) == 1 and view.ends_with_frame_then_done and view.done_count == 1,
+        _ended(x, view) + f"; last events {[_label(p) for p in view.payloads[-3:]]}",
+    )
+    if not frames:
+        return
+    frame = frames[-1]
+    v.check(
+        f"client: the frame says code={INTERRUPTED}, this request_id, partial_output=true, retryable=false",
+        frame.get("code") == INTERRUPTED
+        and frame.get("request_id") == x.request_id
+        and frame.get("partial_output") is True
+        and frame.get("retryable") is False,
+        json.dumps(frame)[:300],
+    )
+    v.check(
+        "client: the frame's delivered_output_tokens equals what the client got",
+        frame.get("delivered_output_tokens") == view.delivered_tokens,
+        f"frame {frame.get('delivered_output_tokens')}, client {view.delivered_tokens} "
+        f"({_plural(len(view.content), 'content event')}, usage {view.usage_tokens})",
+    )
+
+
+def _label(payload: Any) -> str:
+    if payload == DONE:
+        return DONE
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return f"error:{payload['error'].get('code')}"
+    return "chunk"
+
+
+def _written(x: Exchange) -> int | None:
+    """Content events the replica wrote for the attempt that reached the client (simulator log)."""
+    serving = x.attempts[-1].get("attempt_id") if x.attempts else None
+    for r in x.replica_records:
+        if r.get("event") == "end" and r.get("attempt_id") == serving:
+            written = r.get("content_events_written")
+            return written if isinstance(written, int) else None
+    return None
+
+
+def check_count_bounds(v: Verdict, x: Exchange, view: StreamView, why: str) -> None:
+    """Invariant 3 when the client did not read to the end (reset, disconnect): `delivered` is what the
+    gateway wrote towards the client, so the journal may exceed what arrived by what was in flight, never
+    what the replica wrote: client <= journal <= replica wrote (max_tokens when unknown)."""
+    j = x.journal or {}
+    count = j.get("delivered_output_tokens")
+    written = _written(x)
+    bounds = [b for b in (written, x.max_tokens) if isinstance(b, int)]
+    upper = min(bounds) if bounds else None
+    got = view.delivered_tokens
+    ok = isinstance(count, int) and count >= got and (upper is None or count <= upper)
+    v.check(
+        f"journal: delivered_output_tokens is at least what the client read and at most what the replica "
+        f"wrote ({why})",
+        ok,
+        f"journal {count}, client read {got}, replica wrote {written if written is not None else '?'}"
+        f" (max_tokens {x.max_tokens})",
+    )
+
+
+def check_interrupted(
+    v: Verdict, x: Exchange, *, allow_reset: bool, content_before_fault: int | None = None
+) -> StreamView | None:
+    """A prefix of one attempt, then one terminal frame and [DONE] (or, if allowed, a transport reset); the
+    journal says interrupted with the count the client got; no second attempt."""
+    if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
+        return None
+    view = read_stream(x)
+    want = "at least one" if content_before_fault is None else f"exactly {content_before_fault}"
+    v.check(
+        f"client: a prefix of the answer ({want} content events before the fault)",
+        len(view.content) >= 1 if content_before_fault is None else len(view.content) == content_before_fault,
+        f"{_plural(len(view.content), 'content event')}",
+    )
+    reset = x.transport_error is not None and x.disconnected_at is None
+    if reset and allow_reset:
+        v.check(
+            "client: the stream was cut by a transport reset after the prefix: no [DONE], no frame",
+            view.done_count == 0 and not view.frames,
+            _ended(x, view),
+        )
+    else:
+        check_frame(v, x, view)
+    check_stream_shape(v, x, view)
+    if check_record(v, x):
+        check_journal(v, x, "interrupted", INTERRUPTED, first_delta=True)
+        check_attempts(v, x, 1)
+        v.check(
+            "client: x-request-id names the request, so a cut stream can be looked up",
+            x.response_request_id == x.request_id,
+            f"x-request-id {x.response_request_id!r}, sent key {x.request_id!r}",
+        )
+        if reset and allow_reset:
+            check_count_bounds(v, x, view, "a reset drops what was in flight")
+        else:
+            j = x.journal or {}
+            v.check(
+                "journal: delivered_output_tokens equals what the client got",
+                j.get("delivered_output_tokens") == view.delivered_tokens,
+                f"journal {j.get('delivered_output_tokens')}, client {view.delivered_tokens}",
+            )
+    return view
+
+
+def check_json_error(v: Verdict, x: Exchange, *, statuses: Iterable[int], code: str | None) -> None:
+    """Invariant 8: one JSON error that names the request and why; no SSE bytes, nothing of a replica."""
+    allowed = sorted(set(statuses))
+    error = x.json_error()
+    v.check(
+        f"client: one JSON error, HTTP {'/'.join(map(str, allowed))}"
+        + (f", code {code}" if code else ", with a code"),
+        x.status in allowed
+        and error is not None
+        and (
+            error.get("code") == code if code else isinstance(error.get("code"), str) and error["code"] != ""
+        ),
+        f"HTTP {x.status} {x.content_type or '(none)'} {_short(x.body)}",
+    )
+    check_names_request(v, x, error, prefix="client")
+    v.check(
+        "client: no SSE bytes of any attempt, no replica's raw error in the body",
+        b"data:" not in x.body and not any(m in x.body for m in RAW_REPLICA_ERROR_MARKERS),
+        _short(x.body),
+    )
+
+
+def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *, prefix: str) -> None:
+    """DESIGN §8.8: the JSON error's body names the request. The x-request-id header (README: returned on
+    every answer) is how a client finds a record when the body cannot say it; when the body does, a missing
+    header is noted, not a violation."""
+    body_ok = error is not None and error.get("request_id") == x.request_id
+    v.check(
+        f"{prefix}: the JSON error names this request (error.request_id)",
+        body_ok,
+        f"error.request_id {None if error is None else error.get('request_id')!r}, sent key {x.request_id!r}",
+    )
+    if body_ok and x.response_request_id != x.request_id:
+        v.note(
+            f"{prefix}: HTTP {x.status} came without the x-request-id header "
+            f"({x.response_request_id or 'absent'}); its body names the request"
+        )
+
+
+def check_nothing_served(v: Verdict, x: Exchange) -> None:
+    """A refused request: either never journaled, or journaled as refused/failed with nothing delivered."""
+    if not x.has_record:
+        v.check(
+            "journal: nothing journaled as served",
+            x.journal_status == 404,
+            f"look-up answered HTTP {x.journal_status} {_short(json.dumps(x.journal) if x.journal else '')}",
+        )
+        return
+    j = x.journal or {}
+    served = [a for a in x.attempts if a.get("outcome") in ("released", "completed", "interrupted")]
+    v.check(
+        "journal: nothing journaled as served (no content delivered, no attempt released)",
+        j.get("phase") in ("rejected", "failed")
+        and not j.get("first_delta_sent")
+        and j.get("delivered_output_tokens") in (0, None)
+        and not served,
+        _journal_summary(x) + f"; attempts: {_attempts_summary(x)}",
+    )
+
+
+def check_replica_log(v: Verdict, x: Exchange, ev: Evidence) -> None:
+    """Simulated replicas: they served only attempts the journal lists (none behind its back)."""
+    if not ev.sim or not x.replica_records or not x.has_record:
+        return
+    listed = {a.get("attempt_id") for a in x.attempts}
+    served = {r.get("attempt_id") for r in x.replica_records if r.get("event") == "start"}
+    v.check(
+        "replica log: the replicas served only attempts the journal lists",
+        served <= listed,
+        f"replica attempts {sorted(map(str, served))}, journal {sorted(map(str, listed))}",
+    )
+
+
+def _ends(x: Exchange) -> list[dict[str, Any]]:
+    return [r for r in x.replica_records if r.get("event") == "end"]
+
+
+def check_hook(v: Verdict, ev: Evidence, action: str) -> HookRun | None:
+    runs = [h for h in ev.hooks if h.action == action]
+    run = runs[0] if runs else None
+    v.check(
+        f"hook: the {action} hook ran against the serving replica and succeeded",
+        run is not None and run.ok,
+        run.describe() if run is not None else f"the {action} hook never ran",
+    )
+    return run
+
+
+# --- the scenarios' judges --------------------------------------------------------------------------
+
+
+def _missing(v: Verdict, label: str) -> Verdict:
+    v.check(f"the drill recorded the {label}", False, "nothing was recorded (the scenario did not run)")
+    return v
+
+
+def judge_healthy(ev: Evidence) -> Verdict:
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    check_complete(v, x, attempts=1)
+    check_replica_log(v, x, ev)
+    return v
+
+
+def judge_retried(ev: Evidence) -> Verdict:
+    """A failure before the first delta: retried invisibly, one complete answer from the second attempt."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    check_complete(v, x, attempts=2)
+    check_retried(v, x)
+    check_replica_log(v, x, ev)
+    if ev.sim and x.replica_records:
+        first = x.attempts[0].get("attempt_id") if x.attempts else None
+        ends = [r for r in _ends(x) if r.get("attempt_id") == first]
+        v.check(
+            "replica log: the fault fired on attempt 1, before any content event was written",
+            bool(ends) and all(r.get("faults_fired") and r.get("content_events_written") == 0 for r in ends),
+            "attempt 1's replica record: "
+            + str([(r.get("outcome"), r.get("faults_fired"), r.get("content_events_written")) for r in ends]),
+        )
+    return v
+
+
+def judge_death_after_first_delta(ev: Evidence) -> Verdict:
+    """The replica dies after the first delta: the prefix, then a reset or one terminal frame; no retry."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    if not ev.sim:
+        kill = check_hook(v, ev, "kill")
+        view = read_stream(x) if x.is_event_stream else None
+        first = view.first_content_at() if view is not None else None
+        completed = view is not None and view.done_count == 1 and not view.frames and not x.transport_error
+        v.check(
+            "hook: the kill landed after the first delta, while the stream was still running",
+            kill is not None and first is not None and kill.started_at >= first and not completed,
+            f"first content at {first}, kill at {kill.started_at if kill else None}; the client got "
+            f"{_ended(x, view)}"
+            + ("; the answer had completed: use a longer answer (--long-tokens)" if completed else ""),
+        )
+    check_interrupted(v, x, allow_reset=True, content_before_fault=ev.expect.get("content_before_fault"))
+    check_replica_log(v, x, ev)
+    return v
+
+
+def judge_frame_after_first_delta(ev: Evidence) -> Verdict:
+    """The upstream ends wrongly after the first delta (clean end without [DONE], an in-band error): the
+    prefix, then exactly one terminal frame and [DONE]; the replica's own error never reaches the client."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    check_interrupted(v, x, allow_reset=False, content_before_fault=ev.expect.get("content_before_fault"))
+    check_replica_log(v, x, ev)
+    return v
+
+
+def judge_frozen_after_first_delta(ev: Evidence) -> Verdict:
+    """The serving replica freezes after the first delta (alive, silent): the gateway loses it and ends the
+    stream with one terminal frame within a bounded time; the journal says why."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    freeze = check_hook(v, ev, "freeze")
+    check_interrupted(v, x, allow_reset=False)
+    names = _trace_names(x)
+    v.check(
+        "journal: the trace says the replica was lost (replica_lost)",
+        "replica_lost" in names,
+        f"trace {names}",
+    )
+    if freeze is not None and x.ended_at is not None:
+        bound = float(ev.expect.get("end_within_seconds", 0) or 0)
+        took = x.ended_at - freeze.ended_at
+        v.check(
+            f"client: the stream ended within {bound:g}s of the freeze"
+            if bound
+            else "client: the stream ended after the freeze",
+            took <= bound if bound else True,
+            f"ended {took:.2f}s after the freeze",
+        )
+    return v
+
+
+def judge_client_disconnect(ev: Evidence) -> Verdict:
+    """The client leaves mid-stream: the attempt is cancelled (the replica sees it go) and no other starts."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
+        return v
+    view = read_stream(x)
+    v.check(
+        "client: it left mid-stream, after content and before [DONE]",
+        x.disconnected_at is not None and len(view.content) >= 1 and view.done_count == 0,
+        _ended(x, view),
+    )
+    check_stream_shape(v, x, view)
+    left = x.disconnected_at or x.ended_at or 0.0
+    if check_record(v, x):
+        j = x.journal or {}
+        v.check(
+            "journal: phase=cancelled outcome=client_disconnected",
+            (j.get("phase"), j.get("outcome")) == ("cancelled", "client_disconnected"),
+            _journal_summary(x),
+        )
+        check_attempts(v, x, 1)
+        late = [e for e in x.trace if e.get("event") == "attempt_started" and float(e.get("t") or 0) > left]
+        v.check(
+            "journal: no attempt started after the client left",
+            not late,
+            f"{len(late)} attempt(s) started after {left:.3f}: {late}" if late else "none",
+        )
+        check_count_bounds(v, x, view, "what was in flight when the client left was never read")
+    if ev.sim:
+        if not x.replica_records:
+            v.note("no replica log given (--replica-log): the replica-side cancel was not checked")
+            return v
+        starts = [r for r in x.replica_records if r.get("event") == "start"]
+        gone = [r for r in _ends(x) if r.get("client_gone_at") is not None]
+        v.check(
+            "replica log: exactly one replica request for this id, and it saw the client go (cancelled)",
+            len(starts) == 1 and len(gone) == 1,
+            f"{_plural(len(starts), 'replica request')}; ends: "
+            f"{[(r.get('replica'), r.get('outcome'), r.get('client_gone_at')) for r in _ends(x)]}",
+        )
+        late_starts = [r for r in starts if float(r.get("t_start") or 0) > left]
+        v.check(
+            "replica log: no replica request began after the client left",
+            not late_starts,
+            f"{len(late_starts)} began after {left:.3f}" if late_starts else "none",
+        )
+    return v
+
+
+def judge_slow_replica(ev: Evidence) -> Verdict:
+    """A slow prefill is not a failure: one attempt, one complete answer, late; no retry, no fence."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    view = check_complete(v, x, attempts=1)
+    names = _trace_names(x)
+    v.check(
+        "journal: no failover for slowness (no attempt_failed, retry_triggered, replica_lost or fence)",
+        not (set(names) & FAILOVER_EVENTS),
+        f"trace {names}" if names else "no trace (a clean completion keeps its summary only)",
+    )
+    slow = float(ev.expect.get("min_first_content_seconds", 0) or 0)
+    if slow and view is not None:
+        first = view.first_content_at()
+        waited = (first - x.sent_at) if first is not None else None
+        v.check(
+            f"client: the first content came after the replica's {slow:g}s delay (the slowness was real)",
+            waited is not None and waited >= slow,
+            f"first content {waited:.2f}s after the request" if waited is not None else "no content",
+        )
+    check_replica_log(v, x, ev)
+    return v
+
+
+def judge_all_replicas_fail(ev: Evidence) -> Verdict:
+    """Every attempt fails before content: one JSON error naming the request; nothing of a dead attempt."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    check_json_error(v, x, statuses=(502, 503), code=ev.expect.get("code", "retries_exhausted"))
+    if check_record(v, x):
+        check_journal(v, x, "failed", ev.expect.get("code", "retries_exhausted"), first_delta=False)
+        j = x.journal or {}
+        v.check(
+            "journal: every attempt failed, nothing delivered",
+            len(x.attempts) >= 2
+            and all(a.get("outcome") == "failed" for a in x.attempts)
+            and j.get("delivered_output_tokens") == 0,
+            f"{_attempts_summary(x)}; delivered_output_tokens={j.get('delivered_output_tokens')}",
+        )
+        check_leases(v, x)
+    check_replica_log(v, x, ev)
+    return v
+
+
+def judge_duplicate_key(ev: Evidence) -> Verdict:
+    """Two requests with one Idempotency-Key: one is served; the other is refused with 409 (in flight while
+    the first runs, already finished after it) and never reaches a replica."""
+    v = Verdict()
+    first, dup, after = ev.get("the first request"), ev.get("the duplicate"), ev.get("after completion")
+    if first is None or dup is None or after is None:
+        return _missing(v, "three requests")
+    view = check_complete(v, first, attempts=1)
+    # The duplicate must be refused as in flight if its answer came while the first was still running.
+    in_flight = dup.ended_at is not None and first.ended_at is not None and dup.ended_at < first.ended_at
+    codes = (
+        ("idempotency_key_in_flight",)
+        if in_flight
+        else ("idempotency_key_in_flight", "request_already_finished")
+    )
+    error = dup.json_error() or {}
+    v.check(
+        "duplicate: 409 "
+        + " or ".join(codes)
+        + " naming the same request id"
+        + (" (sent while the first was streaming)" if in_flight else ""),
+        dup.status == 409 and error.get("code") in codes and error.get("request_id") == first.request_id,
+        f"HTTP {dup.status} {_short(dup.body)}",
+    )
+    error = after.json_error() or {}
+    v.check(
+        "after completion: 409 request_already_finished naming the request, outcome completed",
+        after.status == 409
+        and error.get("code") == "request_already_finished"
+        and error.get("request_id") == first.request_id
+        and error.get("outcome") == "completed",
+        f"HTTP {after.status} {_short(after.body)}",
+    )
+    for x in (dup, after):
+        v.check(
+            f"{x.label}: no SSE bytes (nothing of the first request's answer)",
+            b"data:" not in x.body,
+            _short(x.body),
+        )
+    if first.has_record and view is not None:
+        check_attempts(v, first, 1)
+    if ev.sim and first.replica_records:
+        starts = [r for r in first.replica_records if r.get("event") == "start"]
+        v.check(
+            "replica log: one replica request for the key (the duplicates never reached a replica)",
+            len(starts) == 1,
+            f"{_plural(len(starts), 'replica request')}",
+        )
+    return v
+
+
+def judge_malformed_input(ev: Evidence) -> Verdict:
+    """Bad input gets a clear 4xx JSON error naming the request before any attempt; nothing is served."""
+    v = Verdict()
+    if not ev.exchanges:
+        return _missing(v, "requests")
+    for x in ev.exchanges:
+        code = ev.expect.get("codes", {}).get(x.label)
+        error = x.json_error()
+        v.check(
+            f"{x.label}: a 4xx JSON error" + (f" with code {code}" if code else " that says why"),
+            400 <= x.status < 500
+            and error is not None
+            and (error.get("code") == code if code else bool(error.get("message") or error.get("code"))),
+            f"HTTP {x.status} {x.content_type or '(none)'} {_short(x.body)}",
+        )
+        v.check(
+            f"{x.label}: no SSE bytes, no replica's raw 5xx error",
+            b"data:" not in x.body and not any(m in x.body for m in RAW_REPLICA_ERROR_MARKERS),
+            _short(x.body),
+        )
+        # The gateway's own refusals name the request in the body. With static replicas the gateway does not
+        # know the served models: an unknown model is the replica's own 4xx, passed through; it names the
+        # request only in x-request-id. The scenario's promise (a clear 4xx JSON error, nothing served) holds;
+        # the stricter reading of DESIGN §8.8 (the body names the request) is noted.
+        if code is not None or (error is not None and error.get("request_id") is not None):
+            check_names_request(v, x, error, prefix=x.label)
+        else:
+            v.check(
+                f"{x.label}: x-request-id names the request",
+                x.response_request_id == x.request_id,
+                f"x-request-id {x.response_request_id!r}, sent key {x.request_id!r}",
+            )
+            v.note(
+                f"{x.label}: HTTP {x.status} is the replica's own error, passed through; its body does not "
+                "name the request (only x-request-id does)"
+            )
+        check_nothing_served(v, x)
+    return v
+
+
+def judge_tool_replay(ev: Evidence) -> Verdict:
+    """A tool call with a key executes once: the same call again gets the stored answer, marked as a replay;
+    the same key on another call is refused (422 idempotency_key_reused)."""
+    v = Verdict()
+    call, replay, other = ev.get("the call"), ev.get("the same call again"), ev.get("another body, same key")
+    if call is None or replay is None or other is None:
+        return _missing(v, "three tool calls")
+    v.check(
+        "the call: answered 2xx, not marked as a replay",
+        200 <= call.status < 300 and call.headers.get("x-idempotent-replay") != "true",
+        f"HTTP {call.status}, x-idempotent-replay {call.headers.get('x-idempotent-replay')!r} "
+        f"{_short(call.body)}",
+    )
+    v.check(
+        "the same call again: the stored answer (same status and bytes) with x-idempotent-replay: true",
+        replay.status == call.status
+        and replay.body == call.body
+        and replay.headers.get("x-idempotent-replay") == "true",
+        f"HTTP {replay.status}, x-idempotent-replay {replay.headers.get('x-idempotent-replay')!r}, "
+        f"body {'identical' if replay.body == call.body else _short(replay.body)}",
+    )
+    error = other.json_error() or {}
+    v.check(
+        "another body with the same key: 422 idempotency_key_reused, not executed, not the stored answer",
+        other.status == 422
+        and error.get("code") == "idempotency_key_reused"
+        and other.headers.get("x-idempotent-replay") != "true",
+        f"HTTP {other.status} {_short(other.body)}",
+    )
+    return v
