@@ -457,11 +457,11 @@ def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *
         )
 
 
-def check_nothing_served(v: Verdict, x: Exchange) -> None:
+def check_nothing_served(v: Verdict, x: Exchange, *, prefix: str = "journal") -> None:
     """A refused request: either never journaled, or journaled as refused/failed with nothing delivered."""
     if not x.has_record:
         v.check(
-            "journal: nothing journaled as served",
+            f"{prefix}: nothing journaled as served",
             x.journal_status == 404,
             f"look-up answered HTTP {x.journal_status} {_short(json.dumps(x.journal) if x.journal else '')}",
         )
@@ -469,7 +469,7 @@ def check_nothing_served(v: Verdict, x: Exchange) -> None:
     j = x.journal or {}
     served = [a for a in x.attempts if a.get("outcome") in ("released", "completed", "interrupted")]
     v.check(
-        "journal: nothing journaled as served (no content delivered, no attempt released)",
+        f"{prefix}: nothing journaled as served (no content delivered, no attempt released)",
         j.get("phase") in ("rejected", "failed")
         and not j.get("first_delta_sent")
         and j.get("delivered_output_tokens") in (0, None)
@@ -795,7 +795,7 @@ def judge_malformed_input(ev: Evidence) -> Verdict:
                 f"{x.label}: HTTP {x.status} is the replica's own error, passed through; its body does not "
                 "name the request (only x-request-id does)"
             )
-        check_nothing_served(v, x)
+        check_nothing_served(v, x, prefix=f"{x.label}: journal")
     return v
 
 
