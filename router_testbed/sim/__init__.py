@@ -1,4 +1,5 @@
-"""vLLM 0.32 replica simulator: deterministic OpenAI-compatible streaming with fault injection.
+"""vLLM 0.32 / SGLang 0.5.23 replica simulator: deterministic OpenAI-compatible streaming with fault
+injection, in either engine's dialect (``--dialect vllm|sglang``).
 
 Entry point: :func:`router_testbed.sim.server.main`
 (``python -m router_testbed.sim --listen HOST:PORT``). Log helpers for tests:

@@ -1,8 +1,18 @@
-"""Deterministic output and the exact vLLM 0.32 byte formats (pure; no I/O).
+"""Deterministic output and the exact byte formats of the engines the simulator speaks (pure; no I/O).
 
-Everything here mirrors the transcripts in ``reference/vllm-0.32-cpu/``: key names, key order,
-compact JSON, where ``finish_reason``/``stop_reason``/``token_ids``/``usage``/``system_fingerprint``
-appear, and the one in-band error event that vLLM writes with ``json.dumps`` default spacing.
+Two dialects (:data:`DIALECTS`), chosen per simulator process with ``--dialect``:
+
+* ``vllm`` mirrors the transcripts in ``reference/vllm-0.32-cpu/``: key names, key order, compact JSON,
+  where ``finish_reason``/``stop_reason``/``token_ids``/``usage``/``system_fingerprint`` appear, and the one
+  in-band error event that vLLM writes with ``json.dumps`` default spacing. The module-level functions and
+  :class:`StreamRenderer` are this dialect.
+* ``sglang`` mirrors ``reference/sglang-0.5.23-cpu/transcripts/``: bare 32-hex ids (a body ``rid`` sets
+  them), ``reasoning_content``/``matched_stop`` everywhere, a separate chat finish event, ``"usage":null`` on
+  every completions event, top-level error objects, and an in-band error followed by usage and ``[DONE]``
+  (:class:`SglangStreamRenderer`, :class:`SglangDialect`).
+
+The server's flow (faults, timing, the request log) is the same for both; everything that differs on the
+wire is a method of :class:`Dialect` or of its renderer, so nothing else branches on the engine.
 
 One generated token is one content event (the simulator never coalesces tokens), so counting
 content events equals counting tokens for a simulated replica.
@@ -161,6 +171,7 @@ class GenRequest:
     continuous_usage: bool
     seed: int | None
     tool: ToolSpec | None = None
+    rid: str | None = None  # the body's ``rid`` (SGLang's request id; it becomes the completion id there)
 
 
 def _message_text(content: Any) -> str:
@@ -171,7 +182,7 @@ def _message_text(content: Any) -> str:
     return ""
 
 
-def _select_tool(body: JSONDict) -> ToolSpec | None:
+def _select_tool(body: JSONDict, dialect: Dialect) -> ToolSpec | None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if not isinstance(tools, list) or not tools:
@@ -186,7 +197,8 @@ def _select_tool(body: JSONDict) -> ToolSpec | None:
         name = choice["function"].get("name")
         matches = [f for f in funcs if f["name"] == name]
         if not matches:
-            raise RequestError(400, bad_request_error(f"Tool '{name}' has not been passed in `tools`.", None))
+            message = f"Tool '{name}' has not been passed in `tools`."
+            raise RequestError(400, dialect.bad_request_error(message, None))
         chosen = matches[0]
     else:
         return None
@@ -195,38 +207,44 @@ def _select_tool(body: JSONDict) -> ToolSpec | None:
 
 
 def parse_request(
-    kind: Kind, raw: bytes, *, served_model: str, max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    kind: Kind,
+    raw: bytes,
+    *,
+    served_model: str,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    dialect: Dialect | None = None,
 ) -> GenRequest:
-    """Validate a request body like vLLM does; raises :class:`RequestError` with vLLM's error reply."""
+    """Validate a request body like the engine does; raises :class:`RequestError` with its error reply."""
+    d = dialect or VLLM
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise RequestError(400, bad_json_error(exc)) from None
+        raise RequestError(400, d.bad_json_error(exc)) from None
     except UnicodeDecodeError:
-        raise RequestError(400, bad_request_error("request body is not UTF-8")) from None
+        raise RequestError(400, d.bad_request_error("request body is not UTF-8")) from None
     if not isinstance(body, dict):
-        raise RequestError(400, bad_request_error("request body must be a JSON object"))
+        raise RequestError(400, d.bad_request_error("request body must be a JSON object"))
     model = body.get("model", served_model)
     if model != served_model:
-        raise RequestError(404, wrong_model_error(str(model), served_model))
+        raise RequestError(404, d.wrong_model_error(str(model), served_model))
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise RequestError(400, bad_request_error("max_tokens must be at least 1", "max_tokens"))
-        if max_tokens > max_model_len:
-            raise RequestError(400, too_long_error(max_tokens, max_model_len))
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        raise RequestError(400, d.bad_request_error("max_tokens must be at least 1", "max_tokens"))
     opts = body.get("stream_options") or {}
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-    continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+    continuous = include_usage and d.continuous_usage and bool(opts.get("continuous_usage_stats"))
     seed = body.get("seed")
+    rid = body.get("rid")
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
-            raise RequestError(400, bad_request_error("Field required: messages", "messages"))
+            raise RequestError(400, d.bad_request_error("Field required: messages", "messages"))
         prompt = "\n".join(
             f"{m.get('role', '')}: {_message_text(m.get('content'))}" for m in messages if isinstance(m, dict)
         )
-        tool = _select_tool(body)
+        tool = _select_tool(body, d)
     else:
         raw_prompt = body.get("prompt")
         if isinstance(raw_prompt, list):
@@ -234,9 +252,9 @@ def parse_request(
         elif isinstance(raw_prompt, str):
             prompt = raw_prompt
         else:
-            raise RequestError(400, bad_request_error("Field required: prompt", "prompt"))
+            raise RequestError(400, d.bad_request_error("Field required: prompt", "prompt"))
         tool = None
-    return GenRequest(
+    req = GenRequest(
         kind=kind,
         model=served_model,
         prompt_text=prompt,
@@ -246,7 +264,13 @@ def parse_request(
         continuous_usage=continuous,
         seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
         tool=tool,
+        rid=rid if isinstance(rid, str) and rid else None,
     )
+    if max_tokens is not None:
+        too_long = d.too_long_error(prompt_token_count(req), max_tokens, max_model_len)
+        if too_long is not None:
+            raise RequestError(400, too_long)
+    return req
 
 
 # --------------------------------------------------------------------------- deterministic output
@@ -364,7 +388,12 @@ class StreamMeta:
 
 
 class StreamRenderer:
-    """Builds each SSE event of one streamed response, byte-exact with vLLM 0.32."""
+    """Builds each SSE event of one streamed response, byte-exact with vLLM 0.32.
+
+    The server asks a renderer for: the role event, content event N (with a finish reason or not), the
+    finish-only event, the usage event and the in-band error sequence; :class:`SglangStreamRenderer`
+    answers the same questions in SGLang's bytes.
+    """
 
     def __init__(self, req: GenRequest, output: Output, meta: StreamMeta) -> None:
         self.req = req
@@ -428,9 +457,14 @@ class StreamRenderer:
         ev["choices"] = [self._choice(self.output.pieces[n - 1], finish_reason)]
         return sse(self._tail(ev, n, finish_reason))
 
+    @property
+    def separate_finish(self) -> bool:
+        """Whether the finish reason goes on its own event after the pieces (else on the last piece)."""
+        return self.output.separate_finish
+
     def natural_finish(self, n: int) -> str | None:
         """The finish reason content event ``n`` carries in a clean run."""
-        if self.output.separate_finish or n != len(self.output.pieces):
+        if self.separate_finish or n != len(self.output.pieces):
             return None
         return self.output.finish_reason
 
@@ -454,6 +488,11 @@ class StreamRenderer:
         ev["system_fingerprint"] = self.meta.fingerprint
         return sse(ev)
 
+    def error_events(self, completion_tokens: int) -> list[bytes]:
+        """What the engine writes when it fails mid-stream (status already 200): vLLM's engine-dead event
+        and ``[DONE]``, no usage."""
+        return [inband_error_event(), DONE_EVENT]
+
 
 def clean_stream(renderer: StreamRenderer) -> list[bytes]:
     """All events of a fault-free streamed response, in order (for tests and documentation)."""
@@ -464,7 +503,7 @@ def clean_stream(renderer: StreamRenderer) -> list[bytes]:
     n = len(renderer.output.pieces)
     for i in range(1, n + 1):
         events.append(renderer.content_event(i, renderer.natural_finish(i)))
-    if renderer.output.separate_finish:
+    if renderer.separate_finish:
         events.append(renderer.empty_event(n, renderer.output.finish_reason))
     usage = renderer.usage_event(n)
     if usage is not None:
@@ -594,3 +633,362 @@ def models_body(model: str, created: int, max_model_len: int) -> bytes:
 
 def version_body() -> bytes:
     return dumps({"version": VLLM_VERSION}).encode()
+
+
+# --------------------------------------------------------------------------- SGLang 0.5.23 formats
+
+SGLANG_TIMEOUT_MESSAGE = "Request running timeout reached."
+_SGLANG_CONTEXT_MESSAGE = (
+    "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a "
+    "total of {total} tokens: {prompt} tokens from the input messages and {max_tokens} tokens for the "
+    "completion. Please reduce the number of tokens in the input messages or the completion to fit within "
+    "the limit."
+)
+
+
+def sglang_error_body(message: str, type_: str, code: int) -> bytes:
+    """SGLang's HTTP error body: a top-level error object (no ``error`` wrapper), ``param`` always null."""
+    return dumps({"object": "error", "message": message, "type": type_, "param": None, "code": code}).encode()
+
+
+def sglang_inband_error_event() -> bytes:
+    """SGLang's mid-stream error (request running timeout): spaced ``json.dumps`` like vLLM's, but a
+    different object (``object``, a string ``type``, code 503)."""
+    payload = {
+        "error": {
+            "object": "error",
+            "message": SGLANG_TIMEOUT_MESSAGE,
+            "type": "SERVICE_UNAVAILABLE",
+            "param": None,
+            "code": 503,
+        }
+    }
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def sglang_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _sglang_usage(kind: Kind, prompt_tokens: int, completion_tokens: int) -> JSONDict:
+    usage: JSONDict = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if kind == "chat":  # chat's usage carries the two details keys, completions' does not
+        usage["prompt_tokens_details"] = None
+        usage["reasoning_tokens"] = 0
+        usage["completion_tokens_details"] = None
+    else:
+        usage["reasoning_tokens"] = 0
+    return usage
+
+
+def _sglang_delta(piece: JSONDict) -> JSONDict:
+    """A chat delta as SGLang writes it: ``reasoning_content`` first, null values other than it dropped."""
+    return {"reasoning_content": None, **{k: v for k, v in piece.items() if v is not None}}
+
+
+class SglangStreamRenderer(StreamRenderer):
+    """SGLang 0.5.23's streamed events: chat has a role event and a finish-only event; completions have
+    neither, carry ``"usage":null`` on every event and the finish on the last text event; no fingerprint."""
+
+    def role_event(self) -> bytes | None:
+        if self.req.kind != "chat":
+            return None
+        ev = self._head()
+        delta = {"reasoning_content": None, "role": "assistant", "content": ""}
+        ev["choices"] = [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "matched_stop": None}
+        ]
+        return sse(ev)
+
+    @property
+    def separate_finish(self) -> bool:
+        return self.req.kind == "chat" or self.output.separate_finish
+
+    def _choice(self, piece: Any, finish_reason: str | None) -> JSONDict:
+        if self.req.kind == "chat":
+            return {
+                "index": 0,
+                "delta": _sglang_delta(piece),
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "matched_stop": None,
+            }
+        return {
+            "index": 0,
+            "text": piece,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "matched_stop": None,
+        }
+
+    def _tail(self, ev: JSONDict, completion_tokens: int, finish_reason: str | None) -> JSONDict:
+        if self.req.kind != "chat":
+            ev["usage"] = None
+        return ev
+
+    def usage_event(self, completion_tokens: int) -> bytes | None:
+        if not self.req.include_usage:
+            return None
+        ev = self._head()
+        ev["choices"] = []
+        ev["usage"] = _sglang_usage(self.req.kind, self.output.prompt_tokens, completion_tokens)
+        return sse(ev)
+
+    def error_events(self, completion_tokens: int) -> list[bytes]:
+        """The error event, then the usage event if asked for, then ``[DONE]``: a stream that ends with
+        ``[DONE]`` and is still an interruption (no finish event)."""
+        usage = self.usage_event(completion_tokens)
+        return [sglang_inband_error_event(), *([usage] if usage is not None else []), DONE_EVENT]
+
+
+def sglang_response_body(
+    req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
+) -> bytes:
+    """SGLang's non-streamed body (chat_nonstream.txt; completions by analogy, not recorded)."""
+    choice: JSONDict = {"index": 0}
+    if req.kind == "chat":
+        message: JSONDict = {"role": "assistant", "content": output.text(completion_tokens)}
+        message["reasoning_content"] = None
+        if output.tool_call_id is not None:
+            args = "".join(
+                p["tool_calls"][0]["function"].get("arguments", "") for p in output.pieces[:completion_tokens]
+            )
+            message["content"] = None
+            message["tool_calls"] = [
+                {
+                    "id": output.tool_call_id,
+                    "index": 0,
+                    "type": "function",
+                    "function": {"name": output.tool_name, "arguments": args},
+                }
+            ]
+        choice["message"] = message
+        obj = "chat.completion"
+    else:
+        choice["text"] = output.text(completion_tokens)
+        obj = "text_completion"
+    choice.update(logprobs=None, finish_reason=finish_reason, matched_stop=None)
+    body: JSONDict = {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model}
+    body["choices"] = [choice]
+    body["usage"] = _sglang_usage(req.kind, output.prompt_tokens, completion_tokens)
+    body["metadata"] = {
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": completion_tokens}],
+    }
+    return dumps(body).encode()
+
+
+def sglang_models_body(model: str, created: int, max_model_len: int) -> bytes:
+    item = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "sglang",
+        "root": model,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
+    return dumps({"object": "list", "data": [item]}).encode()
+
+
+# SGLang's batch sizes for its (here disabled) graph capture, as /get_model_info lists them.
+_SGLANG_CAPTURE_BATCH_SIZES = [
+    *range(4, 33, 4),
+    *range(48, 257, 16),
+    *range(288, 513, 32),
+    *range(576, 1025, 64),
+    *range(1280, 4097, 256),
+]
+
+
+def sglang_model_info_body(model: str) -> bytes:
+    """``GET /get_model_info`` of a plain Llama generation model (get_model_info.txt)."""
+    embedding: JSONDict = {
+        "family": "none",
+        "task": "none",
+        "execution": "none",
+        "attention": "none",
+        "pooling": "model_defined",
+        "normalize": False,
+        "postprocessor": "none",
+        "tokenizer_special_tokens": "model_default",
+        "supports_dimensions": False,
+        "supports_token_embeddings": False,
+        "supports_multimodal": False,
+        "requires_embedding_flag": False,
+        "auto_enable_embedding": False,
+        "bcg_eligibility": "disabled",
+        "safe_disable_kv_cache": False,
+        "safe_disable_radix_cache": False,
+        "safe_disable_chunked_prefill": False,
+        "enabled": False,
+        "matryoshka_dimensions": [],
+        "bcg": {
+            "prefill_backend": "disabled",
+            "enabled": False,
+            "capture_token_budget": 4096,
+            "capture_batch_sizes": _SGLANG_CAPTURE_BATCH_SIZES,
+        },
+        "cache": {
+            "kv_cache_disabled": False,
+            "radix_cache_disabled": False,
+            "chunked_prefill_disabled": False,
+        },
+    }
+    info: JSONDict = {
+        "model_path": model,
+        "served_model_name": model,
+        "tokenizer_path": model,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "embedding": embedding,
+    }
+    return dumps(info).encode()
+
+
+# --------------------------------------------------------------------------- dialects
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    """A ``GET`` endpoint's 200 answer: ``content_type`` ``None`` is an empty body without one."""
+
+    body: bytes
+    content_type: str | None = "application/json"
+
+
+class Dialect:
+    """One engine's OpenAI server on the wire: ids, error replies, streamed events, bodies, endpoints.
+
+    The simulator's flow is the same for every dialect and asks this object whatever differs, so adding an
+    engine is one subclass. This base class is vLLM 0.32.
+    """
+
+    name = "vllm"
+    # Whether an abort fault's finish event carries the token it interrupts (vLLM) or is finish-only.
+    abort_carries_token = True
+    # Whether ``stream_options.continuous_usage_stats`` puts running usage on every event.
+    continuous_usage = True
+    # The chunked-encoding header's spelling (SGLang's uvicorn/starlette writes it capitalised).
+    transfer_encoding_header = "transfer-encoding"
+    info_paths: frozenset[str] = frozenset({"/health", "/version", "/v1/models"})
+
+    def new_id(self, req: GenRequest) -> str:
+        return chat_id() if req.kind == "chat" else completion_id()
+
+    def error_body(self, message: str, type_: str, param: str | None, code: int) -> bytes:
+        return error_body(message, type_, param, code)
+
+    def bad_request_error(self, message: str, param: str | None = None) -> bytes:
+        return self.error_body(message, "BadRequestError", param, 400)
+
+    def bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
+        return bad_json_error(exc)
+
+    def wrong_model_error(self, requested: str, served: str) -> bytes:
+        return wrong_model_error(requested, served)
+
+    def too_long_error(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> bytes | None:
+        """The refusal of a request that cannot fit, or ``None``. vLLM compares max_tokens alone."""
+        return too_long_error(max_tokens, max_model_len) if max_tokens > max_model_len else None
+
+    def unavailable_error(self) -> bytes:
+        """The body of the ``status503`` fault."""
+        return unavailable_error()
+
+    def failed_reply(self) -> tuple[int, bytes]:
+        """The ``error`` fault when no stream is open (a non-stream request, or before the status line)."""
+        return 500, engine_dead_error()
+
+    def renderer(self, req: GenRequest, output: Output, meta: StreamMeta) -> StreamRenderer:
+        return StreamRenderer(req, output, meta)
+
+    def response_body(
+        self, req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
+    ) -> bytes:
+        return response_body(req, output, meta, completion_tokens, finish_reason)
+
+    def info_reply(self, path: str, model: str, created: int, max_model_len: int) -> InfoReply:
+        """The answer to ``GET path`` for a path in :attr:`info_paths`."""
+        if path == "/version":
+            return InfoReply(version_body())
+        if path == "/v1/models":
+            return InfoReply(models_body(model, created, max_model_len))
+        return InfoReply(b"", None)
+
+
+class SglangDialect(Dialect):
+    """SGLang 0.5.23 (reference/sglang-0.5.23-cpu). Not recorded there, and so inferred from what is: the
+    bodies of bad JSON, an unknown model and the ``status503`` fault (SGLang's top-level shape), non-stream
+    completions (chat's shape with completions' usage), tool-call deltas, and ``continuous_usage_stats``
+    (ignored: usage only at the end)."""
+
+    name = "sglang"
+    abort_carries_token = False  # /abort_request ends with a finish-only event (abort_request_midstream.txt)
+    continuous_usage = False
+    transfer_encoding_header = "Transfer-Encoding"
+    info_paths = frozenset({"/health", "/health_generate", "/v1/models", "/get_model_info"})
+
+    def new_id(self, req: GenRequest) -> str:
+        # The body's rid is the id; x-request-id is never used.
+        return req.rid if req.rid is not None else sglang_id()
+
+    def error_body(self, message: str, type_: str, param: str | None, code: int) -> bytes:
+        return sglang_error_body(message, type_, code)
+
+    def bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
+        detail = f"[{{'type': 'json_invalid', 'loc': ('body', {exc.pos}), 'msg': 'JSON decode error'}}]"
+        return sglang_error_body(detail, "Bad Request", 400)
+
+    def wrong_model_error(self, requested: str, served: str) -> bytes:
+        return sglang_error_body(f"The model `{requested}` does not exist.", "NotFoundError", 404)
+
+    def too_long_error(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> bytes | None:
+        """SGLang refuses prompt + max_tokens beyond the context length (chat_stream_badreq.txt)."""
+        total = prompt_tokens + max_tokens
+        if total <= max_model_len:
+            return None
+        message = _SGLANG_CONTEXT_MESSAGE.format(
+            limit=max_model_len, total=total, prompt=prompt_tokens, max_tokens=max_tokens
+        )
+        return sglang_error_body(message, "BadRequestError", 400)
+
+    def unavailable_error(self) -> bytes:
+        return sglang_error_body("Service Unavailable", "503", 503)
+
+    def failed_reply(self) -> tuple[int, bytes]:
+        # inband_error_running_timeout_nonstream.txt: the same timeout as an HTTP 503, type "503".
+        return 503, sglang_error_body(SGLANG_TIMEOUT_MESSAGE, "503", 503)
+
+    def renderer(self, req: GenRequest, output: Output, meta: StreamMeta) -> StreamRenderer:
+        return SglangStreamRenderer(req, output, meta)
+
+    def response_body(
+        self, req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
+    ) -> bytes:
+        return sglang_response_body(req, output, meta, completion_tokens, finish_reason)
+
+    def info_reply(self, path: str, model: str, created: int, max_model_len: int) -> InfoReply:
+        if path == "/v1/models":
+            return InfoReply(sglang_models_body(model, created, max_model_len))
+        if path == "/get_model_info":
+            return InfoReply(sglang_model_info_body(model))
+        return InfoReply(b"", None)  # /health, /health_generate: 200, empty body
+
+
+VLLM = Dialect()
+SGLANG = SglangDialect()
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (VLLM, SGLANG)}

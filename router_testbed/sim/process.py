@@ -93,17 +93,21 @@ def spawn(
     host: str = "127.0.0.1",
     port: int = 0,
     log_path: str | os.PathLike[str] | None = None,
+    dialect: str | None = None,
     args: Sequence[str] = (),
     timeout: float = 10.0,
     python: str = sys.executable,
     env: dict[str, str] | None = None,
 ) -> SimProcess:
-    """Start one simulator; ``args`` are extra CLI options (``--prefill-delay``, ``--seed``, ...)."""
+    """Start one simulator; ``dialect`` is ``--dialect`` (vllm when ``None``); ``args`` are extra CLI options
+    (``--prefill-delay``, ``--seed``, ...)."""
     cmd = [python, "-m", "router_testbed.sim", "--listen", f"{host}:{port}"]
     if name is not None:
         cmd += ["--name", name]
     if log_path is not None:
         cmd += ["--log", os.fspath(log_path)]
+    if dialect is not None:
+        cmd += ["--dialect", dialect]
     cmd += list(args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
     try:

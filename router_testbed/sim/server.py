@@ -1,8 +1,12 @@
-"""A vLLM 0.32 replica simulator: OpenAI-compatible HTTP/1.1 on raw asyncio streams, with faults.
+"""A vLLM 0.32 / SGLang 0.5.23 replica simulator: OpenAI-compatible HTTP/1.1 on raw asyncio streams, with
+faults.
 
-Run: ``python -m router_testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl``. It prints
-``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
-exits 0 on SIGTERM/SIGINT. See :mod:`router_testbed.sim.faults` for the ``x-sim-fault`` grammar.
+Run: ``python -m router_testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl [--dialect sglang]``.
+It prints ``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
+exits 0 on SIGTERM/SIGINT. See :mod:`router_testbed.sim.faults` for the ``x-sim-fault`` grammar (every fault
+works in both dialects) and :class:`router_testbed.sim.generation.Dialect` for what differs between them.
+The request log is the same in both: it records the ``x-request-id``/``x-attempt-id`` received, whatever
+id the dialect gives the completion.
 
 Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_testbed.sim.toolcall`):
 every
@@ -81,6 +85,7 @@ class SimConfig:
     max_model_len: int = gen.DEFAULT_MAX_MODEL_LEN
     tool_url: str | None = None  # agent-worker mode: call this tool before every generation
     tool_timeout: float = toolcall.DEFAULT_TOOL_TIMEOUT
+    dialect: str = "vllm"  # a key of generation.DIALECTS
 
 
 # --------------------------------------------------------------------------- connection
@@ -271,7 +276,7 @@ def _head(status: int, headers: Sequence[tuple[str, str]]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def stream_head(replica: str) -> bytes:
+def stream_head(replica: str, dialect: gen.Dialect = gen.VLLM) -> bytes:
     """Status line and headers of a streamed response (chat_stream.headers + ``x-sim-replica``)."""
     return _head(
         200,
@@ -279,7 +284,7 @@ def stream_head(replica: str) -> bytes:
             ("content-type", "text/event-stream; charset=utf-8"),
             ("vary", "Origin"),
             ("x-sim-replica", replica),
-            ("transfer-encoding", "chunked"),
+            (dialect.transfer_encoding_header, "chunked"),
         ],
     )
 
@@ -315,6 +320,7 @@ class Exchange:
     plan: FaultPlan
     record: dict[str, Any]
     greq: gen.GenRequest | None = None
+    renderer: gen.StreamRenderer | None = None
     status: int | None = None
     headers_sent: bool = False
     events_written: int = 0
@@ -408,24 +414,25 @@ class Exchange:
                 raise _End(self.request.keep_alive)
             raise _End(False)
         if action == "error":
-            if self.streaming and self.headers_sent:
-                await self.send_event(gen.inband_error_event(), content=False)
-                await self.send_event(gen.DONE_EVENT, content=False)
+            if self.renderer is not None and self.headers_sent:
+                for event in self.renderer.error_events(self.content_events_written):
+                    await self.send_event(event, content=False)
                 await self.send_raw(gen.LAST_CHUNK)
             else:
-                await self.send_reply(500, gen.engine_dead_error())
+                await self.send_reply(*self.sim.dialect.failed_reply())
             raise _End(self.request.keep_alive)
         if action == "status503":
-            await self.send_reply(503, gen.unavailable_error())
+            await self.send_reply(503, self.sim.dialect.unavailable_error())
             raise _End(self.request.keep_alive)
         raise AssertionError(f"unhandled fault action {action}")  # pragma: no cover
 
     # -- the flows
     async def run(self, greq: gen.GenRequest) -> bool:
         self.greq = greq
+        dialect = self.sim.dialect
         output = gen.plan_output(greq, self.sim.config.seed)
         meta = gen.StreamMeta(
-            id=gen.chat_id() if greq.kind == "chat" else gen.completion_id(),
+            id=dialect.new_id(greq),
             created=int(time.time()),
             model=greq.model,
             fingerprint=self.sim.fingerprint,
@@ -434,7 +441,8 @@ class Exchange:
             if self.sim.tool_target is not None:
                 output = toolcall.with_tool_result(output, await self._tool_call(greq))
             if greq.stream:
-                await self._stream(gen.StreamRenderer(greq, output, meta))
+                self.renderer = dialect.renderer(greq, output, meta)
+                await self._stream(self.renderer)
             else:
                 await self._unary(greq, output, meta)
         except _End as end:
@@ -458,12 +466,13 @@ class Exchange:
         except ValueError as exc:
             self.outcome = "tool_failed"
             self.record["tool_error"] = f"no tool key: {exc}"
-            await self.send_reply(400, gen.bad_request_error(f"agent mode needs x-request-id: {exc}"))
+            body = self.sim.dialect.bad_request_error(f"agent mode needs x-request-id: {exc}")
+            await self.send_reply(400, body)
             raise _End(self.request.keep_alive) from None
         self.record.update(outcome.log_fields())
         if not outcome.ok or outcome.result is None:
             self.outcome = "tool_failed"
-            await self.send_reply(502, toolcall.tool_failed_error(outcome))
+            await self.send_reply(502, toolcall.tool_failed_error(outcome, self.sim.dialect))
             raise _End(self.request.keep_alive)
         await self.at(TOOL)
         return outcome.result
@@ -472,7 +481,7 @@ class Exchange:
         cfg = self.sim.config
         await self.at(HEADERS)
         self.status = 200
-        await self.send_raw(stream_head(cfg.name))
+        await self.send_raw(stream_head(cfg.name, self.sim.dialect))
         self.headers_sent = True
         await self.sleep(cfg.prefill_delay)
         await self.at(ROLE)
@@ -486,7 +495,10 @@ class Exchange:
                 await self.sleep(cfg.token_interval)
             await self.at(token_point(i))
             if self.abort_pending:
-                await self.send_event(r.content_event(i, "abort"), content=True)
+                if self.sim.dialect.abort_carries_token:
+                    await self.send_event(r.content_event(i, "abort"), content=True)
+                else:
+                    await self.send_event(r.empty_event(self.content_events_written, "abort"), content=False)
                 aborted = True
                 break
             await self.send_event(r.content_event(i, r.natural_finish(i)), content=True)
@@ -496,7 +508,7 @@ class Exchange:
             if self.abort_pending:
                 await self.send_event(r.empty_event(self.content_events_written, "abort"), content=False)
                 aborted = True
-            elif r.output.separate_finish:
+            elif r.separate_finish:
                 await self.send_event(r.empty_event(n, r.output.finish_reason), content=False)
         usage = r.usage_event(self.content_events_written)
         if usage is not None:
@@ -517,14 +529,15 @@ class Exchange:
                 await self.sleep(cfg.token_interval)
             await self.at(token_point(i))
             if self.abort_pending:
-                produced, finish = i, "abort"
+                produced = i if self.sim.dialect.abort_carries_token else i - 1
+                finish = "abort"
                 break
             await self.at(after_point(i))
         else:
             await self.at(DONE)
             if self.abort_pending:
                 finish = "abort"
-        await self.send_reply(200, gen.response_body(greq, output, meta, produced, finish))
+        await self.send_reply(200, self.sim.dialect.response_body(greq, output, meta, produced, finish))
         self.outcome = "fault:abort" if finish == "abort" else "completed"
 
 
@@ -534,6 +547,7 @@ class Exchange:
 class Simulator:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
+        self.dialect = gen.DIALECTS[config.dialect]
         self.log = RequestLog(config.log_path)
         self.fingerprint = gen.fingerprint_for(config.model, config.seed)
         self.tool_target = toolcall.parse_tool_url(config.tool_url) if config.tool_url else None
@@ -551,7 +565,7 @@ class Simulator:
                 try:
                     request = await conn.read_request()
                 except BadRequest as exc:
-                    body = gen.bad_request_error(str(exc))
+                    body = self.dialect.bad_request_error(str(exc))
                     await conn.send(json_response(exc.status, body, self.config.name, close=True))
                     break
                 if request is None:
@@ -576,18 +590,14 @@ class Simulator:
                 await conn.send(json_response(405, b'{"detail":"Method Not Allowed"}', name))
                 return request.keep_alive
             return await self.handle_generation(conn, conn_no, request, kind)  # type: ignore[arg-type]
-        if request.method != "GET" or path not in ("/health", "/version", "/v1/models"):
-            status = 405 if path in ("/health", "/version", "/v1/models") else 404
+        info_paths = self.dialect.info_paths
+        if request.method != "GET" or path not in info_paths:
+            status = 405 if path in info_paths else 404
             detail = b'{"detail":"Method Not Allowed"}' if status == 405 else b'{"detail":"Not Found"}'
             await conn.send(json_response(status, detail, name))
             return request.keep_alive
-        if path == "/health":
-            reply = json_response(200, b"", name, content_type=None)
-        elif path == "/version":
-            reply = json_response(200, gen.version_body(), name)
-        else:
-            body = gen.models_body(self.config.model, self.started, self.config.max_model_len)
-            reply = json_response(200, body, name)
+        info = self.dialect.info_reply(path, self.config.model, self.started, self.config.max_model_len)
+        reply = json_response(200, info.body, name, content_type=info.content_type)
         return await conn.send(reply) and request.keep_alive
 
     async def handle_generation(
@@ -617,11 +627,15 @@ class Simulator:
         try:
             clauses = parse_fault_spec(raw_fault)
             greq = gen.parse_request(
-                kind, request.body, served_model=self.config.model, max_model_len=self.config.max_model_len
+                kind,
+                request.body,
+                served_model=self.config.model,
+                max_model_len=self.config.max_model_len,
+                dialect=self.dialect,
             )
             record["stream"] = greq.stream
         except FaultSpecError as exc:
-            error = (400, gen.bad_request_error(str(exc), HEADER))
+            error = (400, self.dialect.bad_request_error(str(exc), HEADER))
         except gen.RequestError as exc:
             error = (exc.status, exc.body)
         self.log.write(record)
@@ -630,7 +644,7 @@ class Simulator:
         keep = False
         try:
             if error is not None or greq is None:
-                status, body = error or (500, gen.engine_dead_error())
+                status, body = error or self.dialect.failed_reply()
                 try:
                     await ex.send_reply(status, body)
                     keep = request.keep_alive
@@ -660,7 +674,9 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="router-sidecar sim", description="vLLM 0.32 replica simulator")
+    p = argparse.ArgumentParser(
+        prog="router-sidecar sim", description="vLLM 0.32 / SGLang 0.5.23 replica simulator"
+    )
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--name", default=None, help="replica name (default: the listen address)")
     p.add_argument("--model", default="tiny", help="served model name")
@@ -669,6 +685,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="JSONL request log (appended)")
     p.add_argument("--seed", type=int, default=0, help="server seed (used when a request has none)")
     p.add_argument("--max-model-len", type=int, default=gen.DEFAULT_MAX_MODEL_LEN)
+    p.add_argument(
+        "--dialect",
+        choices=sorted(gen.DIALECTS),
+        default="vllm",
+        help="whose OpenAI server to speak: ids, events, errors, endpoints (default %(default)s)",
+    )
     p.add_argument(
         "--tool-url",
         default=None,
@@ -717,6 +739,7 @@ def config_from_args(argv: Sequence[str] | None) -> SimConfig:
         max_model_len=args.max_model_len,
         tool_url=args.tool_url,
         tool_timeout=args.tool_timeout,
+        dialect=args.dialect,
     )
 
 

@@ -272,8 +272,8 @@ def with_tool_result(output: gen.Output, result: str) -> gen.Output:
     return dataclasses.replace(output, pieces=(new, *output.pieces[1:]))
 
 
-def tool_failed_error(outcome: ToolOutcome) -> bytes:
-    """vLLM-shaped 502 body for a failed tool call; the message names the tool status."""
+def tool_failed_error(outcome: ToolOutcome, dialect: gen.Dialect = gen.VLLM) -> bytes:
+    """The dialect's 502 error body for a failed tool call; the message names the tool status."""
     status = "none" if outcome.status is None else str(outcome.status)
     message = f"tool call {outcome.key} failed (tool status {status}): {outcome.error}"
-    return gen.error_body(message, "BadGatewayError", None, 502)
+    return dialect.error_body(message, "BadGatewayError", None, 502)
