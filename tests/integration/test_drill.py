@@ -1,0 +1,181 @@
+"""`router-sidecar drill` as a user runs it (a subprocess), against a real local gateway (Envoy + sidecar +
+etcd) with simulated replicas: every scenario passes in sim mode and with shell hooks; against a server
+that breaks the contract it exits 1 naming the violated scenario; against nothing it exits 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router_sidecar.runtime.supervise import free_port
+from router_testbed.drill.hooks import Hooks
+from router_testbed.drill.scenarios import SCENARIOS
+from tests.harness import REPO, Gateway, Sim
+
+pytestmark = pytest.mark.integration
+
+DRILL_TIMEOUT = 60.0
+
+
+def drill(*args: str, timeout: float = DRILL_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router_sidecar", "drill", *args],
+        cwd=REPO,
+        env={**os.environ, "NO_COLOR": "1"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def results(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def test_every_scenario_passes_against_the_local_gateway(
+    gateway: Gateway, sims: dict[str, Sim], tmp_path: Path
+) -> None:
+    report, data = tmp_path / "drill.html", tmp_path / "drill.json"
+    logs = [arg for s in sims.values() for arg in ("--replica-log", str(s.log_path))]
+    run = drill("--gateway", gateway.url, *logs, "--report", str(report), "--json", str(data))
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    expected = [s.name for s in SCENARIOS if s.runs_in("sim", Hooks(), None)[0]]
+    got = results(data)
+    assert got["passed"] is True and got["fault_mode"] == "sim"
+    assert [(s["name"], s["passed"]) for s in got["scenarios"]] == [(name, True) for name in expected]
+    # Each verdict says what it checked, and the replicas' own logs were read where they matter.
+    checks = {s["name"]: [c["what"] for c in s["checks"]] for s in got["scenarios"]}
+    assert all(len(c) >= 5 for c in checks.values()), checks
+    assert any(w.startswith("replica log: exactly one replica request") for w in checks["client-disconnect"])
+    html = report.read_text()
+    requests = sum(len(s["exchanges"]) for s in got["scenarios"])
+    assert html.count("<svg") == requests >= len(expected)
+    assert f"{len(expected)}/{len(expected)} scenarios passed" in run.stdout
+
+
+def test_hooks_freeze_and_kill_real_processes(gateway: Gateway, sims: dict[str, Sim], tmp_path: Path) -> None:
+    # The hooks find a replica's process from the port the journal names: like a real deployment's hook
+    # would map HOST:PORT to a pod or a unit.
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    for sim in sims.values():
+        assert sim.child is not None
+        (pids / str(sim.port)).write_text(str(sim.child.pid))
+    data = tmp_path / "hooks.json"
+    run = drill(
+        "--gateway",
+        gateway.url,
+        "--freeze-cmd",
+        f"kill -STOP $(cat {pids}/{{port}})",
+        "--thaw-cmd",
+        f"kill -CONT $(cat {pids}/{{port}})",
+        "--kill-cmd",
+        f"kill -KILL $(cat {pids}/{{port}})",
+        "--scenario",
+        "dies-after-first-delta",
+        "--scenario",
+        "frozen-after-first-delta",
+        "--json",
+        str(data),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = results(data)
+    assert got["fault_mode"] == "hooks"
+    # The freeze runs first (its replica is thawed afterwards), the kill last.
+    assert [s["name"] for s in got["scenarios"]] == ["frozen-after-first-delta", "dies-after-first-delta"]
+    hooks = [h for s in got["scenarios"] for x in s["exchanges"] for h in x["hooks"]]
+    assert [(h["action"], h["returncode"]) for h in hooks] == [("freeze", 0), ("thaw", 0), ("kill", 0)]
+    # Whatever the drill froze, it thawed: no replica process is left stopped.
+    for sim in sims.values():
+        assert sim.child is not None
+        if sim.child.alive():
+            state = Path(f"/proc/{sim.child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            assert state != "T", f"{sim.name} left stopped"
+
+
+class _BrokenGateway(BaseHTTPRequestHandler):
+    """Answers like a gateway that cuts a stream silently: 200, two content events, then the end of the
+    body without [DONE] or a terminal frame. It journals nothing."""
+
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"data": [{"id": "tiny"}]})
+        else:
+            self._json(404, {"error": {"code": "not_found"}})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("x-request-id", self.headers.get("idempotency-key", ""))
+        self.end_headers()
+        for word in ("Once", " upon"):
+            chunk = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": word}}]}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+@pytest.fixture
+def broken_gateway() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenGateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_silent_cut_is_a_violation_named_by_scenario(broken_gateway: str, tmp_path: Path) -> None:
+    data = tmp_path / "broken.json"
+    args = ("--gateway", broken_gateway, "--fault-mode", "none", "--scenario", "healthy", "--timeout", "2")
+    run = drill(*args, "--json", str(data))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^  healthy +none +FAIL ", run.stdout, re.MULTILINE), run.stdout
+    assert "FAIL healthy (healthy request)" in run.stdout
+    assert "  ✗ client: one complete answer: exactly one [DONE], last; no error frame; no reset" in run.stdout
+    assert "      seen: HTTP 200, 2 content events, 0× [DONE]" in run.stdout
+    assert "violated: healthy" in run.stdout
+    [scenario] = results(data)["scenarios"]
+    assert scenario["name"] == "healthy" and scenario["passed"] is False
+
+
+def test_sim_mode_refuses_replicas_that_are_not_the_simulator(broken_gateway: str) -> None:
+    run = drill("--gateway", broken_gateway)
+    assert run.returncode == 2
+    assert "do not look like the simulator" in run.stderr and "--fault-mode hooks" in run.stderr
+
+
+def test_an_unreachable_gateway_is_a_usage_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    run = drill("--gateway", url, "--fault-mode", "none")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"cannot reach the gateway at {url} (ConnectError" in run.stderr
+    assert "Is it running and listening there?" in run.stderr
+    assert run.stdout == ""
