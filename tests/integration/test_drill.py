@@ -20,6 +20,7 @@ import pytest
 from router_sidecar.runtime.supervise import free_port
 from router_testbed.drill.hooks import Hooks
 from router_testbed.drill.scenarios import SCENARIOS
+from router_testbed.toolsvc import spawn_toolsvc
 from tests.harness import REPO, Gateway, Sim
 
 pytestmark = pytest.mark.integration
@@ -103,6 +104,30 @@ def test_hooks_freeze_and_kill_real_processes(gateway: Gateway, sims: dict[str, 
         if sim.child.alive():
             state = Path(f"/proc/{sim.child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             assert state != "T", f"{sim.name} left stopped"
+
+
+def test_tool_replay_executes_the_side_effect_once(etcd: str, sims: dict[str, Sim], tmp_path: Path) -> None:
+    toolsvc = spawn_toolsvc(name="payments", log_path=tmp_path / "executions.jsonl")
+    gateway = None
+    try:
+        gateway = Gateway(
+            replicas=[s.endpoint for s in sims.values()],
+            etcd=etcd,
+            work=tmp_path,
+            tools=(f"payments={toolsvc.address}",),
+        )
+        data = tmp_path / "tool.json"
+        args = ("--fault-mode", "none", "--scenario", "tool-replay", "--tool", "payments/charge")
+        run = drill("--gateway", gateway.url, *args, "--json", str(data))
+        assert run.returncode == 0, run.stdout + run.stderr
+        [scenario] = results(data)["scenarios"]
+        key = scenario["exchanges"][0]["request_id"]
+        # The drill's verdict agrees with the tool's own log: one execution for three calls with the key.
+        assert [e["key"] for e in toolsvc.executions()] == [key]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        toolsvc.stop()
 
 
 class _BrokenGateway(BaseHTTPRequestHandler):
