@@ -94,7 +94,7 @@ class _Writer:
         self._lock = asyncio.Lock()
         self.ended_by_us = False  # we sent end_of_stream: nothing more goes to the client
 
-    async def write(self, reply: m.ProcessingResponse | None, *, ends_stream: bool = False) -> None:
+    async def write(self, reply: m.Reply | None, *, ends_stream: bool = False) -> None:
         if reply is None:
             return
         async with self._lock:
@@ -108,13 +108,13 @@ class _Writer:
 class PassThrough:
     """Not ours to judge (e.g. /v1/models, /v1/embeddings): every message continues unchanged."""
 
-    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+    async def on_request_body(self, body: bytes) -> m.Reply | None:
         return m.request_body_reply()
 
-    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         return m.response_headers_reply()
 
-    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply | None:
         return m.streamed_body(chunk, end_of_stream)
 
     def on_stream_end(self) -> None:
@@ -125,15 +125,15 @@ class ToolCall(PassThrough):
     def __init__(self, stream: ToolCallStream) -> None:
         self._stream = stream
 
-    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+    async def on_request_body(self, body: bytes) -> m.Reply | None:
         return await self._stream.on_request_body(body) or m.request_body_reply()
 
-    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         code_details = str(m.attributes(message).get("response.code_details", ""))
         self._stream.on_response_headers(m.header_map(message.response_headers), code_details)
         return m.response_headers_reply()
 
-    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply | None:
         return await self._stream.on_response_body(chunk, end_of_stream)
 
     def on_stream_end(self) -> None:
@@ -166,7 +166,7 @@ class Inference(PassThrough):
 
     # --- admission -------------------------------------------------------------------------------------
 
-    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+    async def on_request_body(self, body: bytes) -> m.Reply | None:
         services, request_id, policy = self._services, self._request_id, self._policy
         assert self._route.api is not None
         try:
@@ -233,7 +233,7 @@ class Inference(PassThrough):
 
     # --- response --------------------------------------------------------------------------------------
 
-    async def on_response_headers(self, message: m.ProcessingRequest) -> m.ProcessingResponse | None:
+    async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         if self._live is None:
             return m.response_headers_reply()
         request = self._live.request
@@ -269,7 +269,7 @@ class Inference(PassThrough):
         )
         return m.response_headers_reply(mutation)
 
-    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse | None:
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply | None:
         if self._live is None:
             return m.streamed_body(chunk, end_of_stream)
         if self._replacement is not None:

@@ -93,17 +93,39 @@ RESPONSE_BODY_CONTINUE = ProcessingResponse(response_body=ep.BodyResponse())
 RESPONSE_TRAILERS_CONTINUE = ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
-def streamed_body(data: bytes, end_of_stream: bool) -> ProcessingResponse:
-    """A FULL_DUPLEX_STREAMED reply: exactly these bytes go towards the client next."""
-    return ProcessingResponse(
-        response_body=ep.BodyResponse(
-            response=ep.CommonResponse(
-                body_mutation=ep.BodyMutation(
-                    streamed_response=ep.StreamedBodyResponse(body=data, end_of_stream=end_of_stream)
-                )
-            )
-        )
+def streamed_body(data: bytes, end_of_stream: bool) -> bytes:
+    """A FULL_DUPLEX_STREAMED reply: exactly these bytes go towards the client next.
+
+    One per chunk, so it is encoded by hand, already in wire form (the server's serializer passes bytes
+    through): ProcessingResponse.response_body(4) → BodyResponse.response(1) → CommonResponse.body_mutation(3)
+    → BodyMutation.streamed_response(3) → StreamedBodyResponse{body(1), end_of_stream(2)}. Building the five
+    nested messages cost ~15 µs a chunk; this costs ~1. tests/unit/test_wire_compat.py proves the bytes are
+    the protobuf encoding of the same message.
+    """
+    streamed = (b"\x0a" + _varint(len(data)) + data if data else b"") + (
+        b"\x10\x01" if end_of_stream else b""
     )
+    mutation = b"\x1a" + _varint(len(streamed)) + streamed
+    common = b"\x1a" + _varint(len(mutation)) + mutation
+    body_response = b"\x0a" + _varint(len(common)) + common
+    return b"\x22" + _varint(len(body_response)) + body_response
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
+
+
+Reply = ProcessingResponse | bytes  # bytes: a reply already in wire form (`streamed_body`)
 
 
 def immediate(

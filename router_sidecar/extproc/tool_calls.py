@@ -78,7 +78,7 @@ class ToolCallStream:
         self._attempt = self._request.attempt_number(caller_attempt_id) if self._request else None
         self.attempt_id = caller_attempt_id if self._attempt is not None else None
 
-    async def on_request_body(self, body: bytes) -> m.ProcessingResponse | None:
+    async def on_request_body(self, body: bytes) -> m.Reply | None:
         """None: go ahead and call the tool. Otherwise the answer to send instead of calling it."""
         digest = call_digest(self._method, self._path, body)
         now = time.time()
@@ -128,7 +128,7 @@ class ToolCallStream:
     def on_response_headers(self, headers: dict[str, str], code_details: str) -> None:
         self._response.on_headers(headers, code_details)
 
-    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.ProcessingResponse:
+    async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply:
         self._response.on_body(chunk)
         if end_of_stream:
             await self._settle(complete=True)  # durable before the caller has the whole answer

@@ -250,7 +250,7 @@ class UpstreamStream:
         )
         # Leave the path: Envoy forwards the rest without us.
 
-    async def _write(self, attempt: a.Attempt, *replies: m.ProcessingResponse) -> None:
+    async def _write(self, attempt: a.Attempt, *replies: m.Reply) -> None:
         assert self._context is not None
         if attempt is not self._attempt:
             return  # an earlier attempt the gate fed: its own stream is gone

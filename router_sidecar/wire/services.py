@@ -51,10 +51,15 @@ def add_external_processor(server: grpc.aio.Server, servicer: ExternalProcessorS
             "Process": grpc.stream_stream_rpc_method_handler(
                 servicer.Process,
                 request_deserializer=ext_proc_pb2.ProcessingRequest.FromString,
-                response_serializer=ext_proc_pb2.ProcessingResponse.SerializeToString,
+                # The hottest reply (a streamed body chunk) is written already serialized.
+                response_serializer=_serialize_processing_response,
             )
         },
     )
+
+
+def _serialize_processing_response(reply: ext_proc_pb2.ProcessingResponse | bytes) -> bytes:
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
 def add_access_log_service(server: grpc.aio.Server, servicer: AccessLogServicer) -> None:

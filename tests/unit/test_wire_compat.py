@@ -350,7 +350,7 @@ def test_replies_as_envoy_reads_them(envoy: dict[str, ModuleType]) -> None:
     ]
     assert {h.append_action for h in headers} == {base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD}
 
-    chunk = ep.ProcessingResponse.FromString(m.streamed_body(b"abc", True).SerializeToString())
+    chunk = ep.ProcessingResponse.FromString(m.streamed_body(b"abc", True))
     streamed = chunk.response_body.response.body_mutation.streamed_response
     assert (streamed.body, streamed.end_of_stream) == (b"abc", True)
 
@@ -575,3 +575,27 @@ def test_wrappers_are_the_runtime_s_own() -> None:
     # Well-known types come from the protobuf runtime: no private copy may shadow them.
     field = access_log_pb2.HTTPResponseProperties.DESCRIPTOR.fields_by_name["response_code"]
     assert field.message_type is wrappers_pb2.UInt32Value.DESCRIPTOR
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 139, 16383, 16384, 2_097_152])
+@pytest.mark.parametrize("end_of_stream", [False, True])
+def test_hand_encoded_streamed_body_is_the_protobuf_encoding(
+    envoy: dict[str, ModuleType], size: int, end_of_stream: bool
+) -> None:
+    """The per-chunk reply is written in wire form by hand: byte for byte what protobuf itself encodes, for
+    our messages and for Envoy's (the varint lengths cross their 1-, 2- and 3-byte boundaries)."""
+    ep, our_ep = envoy["external_processor_pb2"], ext_proc_pb2
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    ours = our_ep.ProcessingResponse(
+        response_body=our_ep.BodyResponse(
+            response=our_ep.CommonResponse(
+                body_mutation=our_ep.BodyMutation(
+                    streamed_response=our_ep.StreamedBodyResponse(body=data, end_of_stream=end_of_stream)
+                )
+            )
+        )
+    )
+    assert m.streamed_body(data, end_of_stream) == ours.SerializeToString()
+    envoy = ep.ProcessingResponse.FromString(m.streamed_body(data, end_of_stream))
+    streamed = envoy.response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (data, end_of_stream)
