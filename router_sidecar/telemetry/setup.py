@@ -131,7 +131,7 @@ def _serve_prometheus(listen: MetricsListen, runtime: TelemetryRuntime) -> Metri
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()  # ours alone: no process/platform collectors of the default one
-    reader = PrometheusMetricReader(registry=registry)
+    reader = PrometheusMetricReader(registry=registry, scope_info_enabled=False)  # no otel_scope_* labels
     try:
         server, _thread = start_http_server(  # a daemon thread; shutdown() stops it
             listen.port, addr=listen.host, registry=registry
