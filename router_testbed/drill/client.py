@@ -38,6 +38,7 @@ class Client:
         replica_logs: Sequence[Path] = (),
     ) -> None:
         self.gateway = gateway.rstrip("/")
+        self.credential = credential
         self.auth = {"authorization": f"Bearer {credential}"}
         self.timeout = timeout
         self.replica_logs = list(replica_logs)

@@ -181,6 +181,26 @@ class _Scale:
         return [i * step for i in range(int(self.span / step) + 1)]
 
 
+class _Labels:
+    """Places short labels on a few rows without overlap; a label with no free row is left out (its mark
+    keeps the tooltip)."""
+
+    CHAR_W = 5.6  # px per character at the labels' 10 px font, a little generous
+
+    def __init__(self, rows: Sequence[float]) -> None:
+        self.rows = list(rows)
+        self.taken: dict[float, list[tuple[float, float]]] = {y: [] for y in self.rows}
+
+    def place(self, x: float, text: str, cls: str) -> str:
+        width = len(text) * self.CHAR_W
+        left, right = (x - 4 - width, x - 4) if x > WIDTH - 110 else (x, x + width)
+        for y in self.rows:
+            if all(right < a or left > b for a, b in self.taken[y]):
+                self.taken[y].append((left - 3, right + 3))
+                return f'<text {_anchor(x)} y="{y}" class="{cls}">{_e(text)}</text>'
+        return ""
+
+
 def _anchor(x: float) -> str:
     """A label's x: it reads to the right of its mark, or to the left near the picture's right edge."""
     if x > WIDTH - 110:
@@ -283,7 +303,7 @@ def timeline_svg(x: Exchange) -> str:
         out.append(
             f'<g class="hook"><title>{_e(h.describe())}</title>'
             f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/>'
-            f'<text x="{hx + 3:.1f}" y="{axis_y - 3}">{_e(h.action)}</text></g>'
+            f'<text {_anchor(hx + 3)} y="{axis_y - 3}">{_e(h.action)}</text></g>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -366,7 +386,7 @@ def _gateway_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
         out.append(
             f'<text x="{LABEL_W + 4}" y="{y + 4}" class="muted">{_e((x.journal or {}).get("trace"))}</text>'
         )
-    row = 0
+    labels = _Labels([y - 7, y + 14])
     for e in x.trace:
         t = _num(e.get("t"))
         if t is None:
@@ -377,9 +397,7 @@ def _gateway_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
             f'<g class="ev"><title>{_e(json.dumps(e))}</title><circle cx="{ex:.1f}" cy="{y}" r="3.5"/></g>'
         )
         if name in KEY_EVENTS:
-            row = (row + 1) % 2  # alternate above/below the line so neighbouring labels do not overlap
-            ty = y - 7 if row else y + 14
-            out.append(f'<text {_anchor(ex + 2)} y="{ty}" class="evl">{_e(KEY_EVENTS[name])}</text>')
+            out.append(labels.place(ex + 2, KEY_EVENTS[name], "evl"))
 
 
 def _attempt_bar(
@@ -412,6 +430,7 @@ def _attempt_bar(
                 f'<g class="{cls}"><title>lease {_e(lease.get("lease_id"))} {key.replace("_at", "")} '
                 f'+{t - x.sent_at:.3f}s</title><path d="{glyph.format(x=f"{lx:.1f}", y=yy)}"/></g>'
             )
+    labels = _Labels([y + 14])
     for e in x.trace:
         if e.get("attempt") != a.get("attempt") or e.get("event") not in ("attempt_fenced", "replica_lost"):
             continue
@@ -423,7 +442,7 @@ def _attempt_bar(
         out.append(
             f'<g class="fence"><title>{_e(json.dumps(e))}</title>'
             f'<line x1="{fx:.1f}" y1="{y - 14}" x2="{fx:.1f}" y2="{y + 4}"/>'
-            f'<text x="{fx + 2:.1f}" y="{y + 14}">{word}</text></g>'
+            f"{labels.place(fx + 2, word, 'fl')}</g>"
         )
 
 
@@ -473,7 +492,7 @@ svg .status{fill:#333} svg .err{fill:#d9534f} svg text.err{fill:#d9534f}
 svg .reset path{stroke:#d9534f;stroke-width:2.5} svg .gone path{stroke:#8e44ad;stroke-width:2.5}
 svg .ev circle{fill:#666} svg .evl{fill:#555;font-size:10px} svg .bar{fill:#333;font-size:10px}
 svg .grant path{fill:#2e7d32} svg .revoke path{fill:#c62828}
-svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fence text{font-size:10px;fill:#000}
+svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fl{font-size:10px;fill:#000}
 svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hook text{fill:#8e44ad}
 svg .rlog rect{fill:#777} svg .muted{fill:#888}
 """

@@ -16,6 +16,7 @@ A driver sends the requests and records evidence (`client.py`); the judge (`verd
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class Scenario:
     judge: v.Judge
     sim_fault: str | None = None  # the x-sim-fault header in sim mode
     hooks: tuple[str, ...] = ()  # the hook actions it needs in hooks mode
+    sim_hooks: tuple[str, ...] = ()  # ... and in sim mode (a simulator's process frozen by a hook)
     needs_fault: bool = True  # False: runs in every mode without any fault
     needs_tool: bool = False
     expect: dict[str, Any] = field(default_factory=dict)  # passed to the judge (what the fault leads to)
@@ -110,7 +112,12 @@ class Scenario:
         if not self.needs_fault:
             return True, ""
         if mode == "sim":
-            return (self.sim_fault is not None, "has no simulator fault")
+            if self.sim_fault is None and not self.sim_hooks:
+                return False, "has no simulator fault (--fault-mode hooks)"
+            missing = [a for a in self.sim_hooks if not hooks.can(a)]
+            if missing:
+                return False, "needs " + " and ".join(f"--{a}-cmd" for a in missing)
+            return True, ""
         if mode == "hooks":
             if not self.hooks:
                 return False, "needs the simulator's fault header (--fault-mode sim)"
@@ -125,8 +132,10 @@ class Scenario:
         if not self.needs_fault:
             # A pause that keeps the stream running while the drill acts; not a failure.
             return f"x-sim-fault: {self.sim_fault}" if mode == "sim" and self.sim_fault else "none"
+        hooks = " then ".join(f"{a} hook" for a in (self.sim_hooks if mode == "sim" else self.hooks))
         if mode == "sim":
-            return f"x-sim-fault: {self.sim_fault}"
+            header = f"x-sim-fault: {self.sim_fault}" if self.sim_fault else ""
+            return "; ".join(p for p in (header, hooks and f"{hooks} on the serving replica") if p)
         if mode == "hooks":
             return " then ".join(f"{a} hook" for a in self.hooks) + " on the serving replica"
         return "none"
@@ -155,13 +164,14 @@ def drive_hook_after_first_delta(ctx: Context, sc: Scenario) -> v.Evidence:
     """Sim mode: like `drive_one`. Hooks mode: a long stream; at its first content event the drill looks up
     which replica serves it (the journal names the attempt's replica while it runs) and runs the
     scenario's first hook against it; a freeze is thawed once the stream ended."""
-    if ctx.sim:
+    actions = sc.sim_hooks if ctx.sim else sc.hooks
+    if not actions:
         return drive_one(ctx, sc)
     body = ctx.chat(ctx.long_tokens)
     x = _request(ctx, sc, "the request", body)
     runs: list[HookRun] = []
     target: list[str] = []
-    action = sc.hooks[0]
+    action = actions[0]
 
     def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
         if content >= 1 and not runs and ex.request_id is not None:
@@ -176,14 +186,54 @@ def drive_hook_after_first_delta(ctx: Context, sc: Scenario) -> v.Evidence:
     try:
         ctx.client.send(x, json_body=body, on_event=on_event)
     finally:
-        for follow_up in sc.hooks[1:]:  # thaw: whatever happened, the replica is not left frozen
+        for follow_up in actions[1:]:  # thaw: whatever happened, the replica is not left frozen
             if target:
                 runs.append(ctx.hooks.run(follow_up, target[0]))
     x.hooks = runs
     ctx.client.settle(x, timeout=ctx.timeout)
     # What a simulator's fault leads to (e.g. its content count) says nothing about a real replica's.
     expect = {"end_within_seconds": ctx.timeout}
-    return v.Evidence([x], sim=False, expect=expect, hooks=runs)
+    return v.Evidence([x], sim=ctx.sim, expect=expect, hooks=runs)
+
+
+def drive_freeze_in_prefill(ctx: Context, sc: Scenario) -> v.Evidence:
+    """The simulator holds the request before any content (its fault header); meanwhile a watcher reads the
+    journal until it names the replica holding the attempt, and freezes it: alive, connected, silent. The
+    client's request blocks until the gateway answers (it holds the headers until the first delta), so the
+    watcher has its own connection. The replica is thawed once the request ended."""
+    body = ctx.chat(SHORT_TOKENS)
+    x = _request(ctx, sc, "the request", body)
+    assert x.request_id is not None
+    key = x.request_id
+    runs: list[HookRun] = []
+    target: list[str] = []
+    stop = threading.Event()
+    watcher = Client(ctx.client.gateway, credential=ctx.client.credential, timeout=5.0)
+
+    def watch() -> None:
+        deadline = time.monotonic() + ctx.timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            status, record = watcher.lookup(key)
+            attempts = (record or {}).get("attempts") or [] if status == 200 else []
+            if attempts and attempts[-1].get("outcome") == "holding":
+                target.append(str(attempts[-1].get("replica")))
+                runs.append(ctx.hooks.run(sc.sim_hooks[0], target[0]))
+                return
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=watch, name="drill-freeze-watcher", daemon=True)
+    thread.start()
+    try:
+        ctx.client.send(x, json_body=body)
+    finally:
+        stop.set()
+        thread.join(ctx.client.timeout)
+        watcher.close()
+        if target:
+            runs.append(ctx.hooks.run(sc.sim_hooks[1], target[0]))
+    x.hooks = runs
+    ctx.client.settle(x, timeout=ctx.timeout)
+    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect), hooks=runs)
 
 
 def drive_disconnect(ctx: Context, sc: Scenario) -> v.Evidence:
@@ -397,7 +447,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "tool call replayed, not re-executed",
         "A side-effecting tool call with an idempotency key executes once: the same call again gets the "
         "stored answer; the same key on another call is refused.",
-        "article, test 5",
+        "article, test 5 (the tool's key, called directly)",
         "the same call twice: identical answer, the second with x-idempotent-replay: true; another body "
         "with the key: 422 idempotency_key_reused",
         drive_tool_replay,
@@ -406,16 +456,32 @@ SCENARIOS: tuple[Scenario, ...] = (
         needs_tool=True,
     ),
     Scenario(
+        "frozen-in-prefill",
+        "replica frozen before the first delta",
+        "The replica holding the request stops answering before any content (alive, connected, silent): "
+        "the gateway fences the attempt — lease revoked, then the cancel ack or the lease's expiry — and "
+        "only then retries on another replica; one complete answer, never two attempts publishing.",
+        "article, test 4",
+        "one complete answer from attempt 2 on another replica; the trace says attempt 1 was lost and fenced "
+        "(with its proof) before attempt 2 started; its lease revoked before the next was granted",
+        drive_freeze_in_prefill,
+        v.judge_frozen_in_prefill,
+        sim_fault="delay@role for=20 attempt=1",
+        sim_hooks=("freeze", "thaw"),
+    ),
+    Scenario(
         "frozen-after-first-delta",
         "replica frozen after the first delta",
-        "The serving replica stops answering but keeps its connection open (path lost, process alive): "
-        "the gateway loses it and ends the stream with one terminal frame within a bounded time.",
-        "article, test 4",
+        "The serving replica stops answering after the first delta but keeps its connection open (path "
+        "lost, process alive): the gateway loses it and ends the stream with one terminal frame within a "
+        "bounded time.",
+        "article, test 4; README",
         "the prefix, then exactly one frame and [DONE]; journal interrupted with replica_lost in the "
         "trace; the time from the freeze to the end of the stream",
         drive_hook_after_first_delta,
         v.judge_frozen_after_first_delta,
         hooks=("freeze", "thaw"),
+        sim_hooks=("freeze", "thaw"),
     ),
 )
 
@@ -423,12 +489,15 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 def run_order(selected: list[Scenario], mode: str) -> list[Scenario]:
-    """Matrix order, except that in hooks mode the scenarios that hurt a replica run last (a killed replica
-    comes back only when its own supervisor restarts it), the kill after the freeze."""
-    if mode != "hooks":
-        return selected
-    rank = {(): 0, ("freeze", "thaw"): 1, ("kill",): 2}
-    return sorted(selected, key=lambda s: rank.get(s.hooks if s.needs_fault else (), 0))
+    """Matrix order, except that the scenarios that hurt a replica through a hook run last: a thawed replica
+    is back only when the gateway's health probe sees it again, a killed one when its own supervisor
+    restarts it; the kill runs after the freezes."""
+
+    def rank(s: Scenario) -> int:
+        used = s.sim_hooks if mode == "sim" else s.hooks if mode == "hooks" else ()
+        return 2 if "kill" in used else 1 if used else 0
+
+    return sorted(selected, key=rank)
 
 
 @dataclass

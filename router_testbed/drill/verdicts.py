@@ -298,15 +298,19 @@ def check_complete(v: Verdict, x: Exchange, *, attempts: int) -> StreamView | No
 
 
 def check_retried(v: Verdict, x: Exchange) -> None:
-    """The first attempt failed before any content and the answer came from another replica."""
+    """The first attempt failed before any content; the answer came from a later one. Envoy prefers another
+    replica for the retry (previous_hosts), but with only one healthy replica left the same one may serve
+    it: a new prefill, not the failed attempt's state. That is noted, not failed."""
     if len(x.attempts) < 2:
         return
     first, last = x.attempts[0], x.attempts[-1]
     v.check(
-        "journal: attempt 1 failed before any content; the answer came from another replica",
-        first.get("outcome") == "failed" and first.get("replica") != last.get("replica"),
+        "journal: attempt 1 failed before any content; a later attempt served the answer",
+        first.get("outcome") == "failed" and last.get("outcome") == "completed",
         _attempts_summary(x),
     )
+    if first.get("replica") == last.get("replica"):
+        v.note(f"the retry ran on the same replica ({last.get('replica')}): no other was healthy then")
 
 
 def check_frame(v: Verdict, x: Exchange, view: StreamView) -> None:
@@ -605,6 +609,39 @@ def judge_frozen_after_first_delta(ev: Evidence) -> Verdict:
             took <= bound if bound else True,
             f"ended {took:.2f}s after the freeze",
         )
+    return v
+
+
+def judge_frozen_in_prefill(ev: Evidence) -> Verdict:
+    """The replica holding the request freezes before any content: lost, fenced (proof: cancel ack or lease
+    expiry), and only then retried elsewhere; one complete answer."""
+    v = Verdict()
+    x = ev.main
+    if x is None:
+        return _missing(v, "request")
+    freeze = check_hook(v, ev, "freeze")
+    check_complete(v, x, attempts=2)
+    check_retried(v, x)
+    if freeze is not None and x.attempts:
+        v.check(
+            "hook: the frozen replica is the one that held attempt 1",
+            freeze.replica == x.attempts[0].get("replica"),
+            f"froze {freeze.replica}, attempt 1 on {x.attempts[0].get('replica')}",
+        )
+    lost = [e for e in x.trace if e.get("event") == "replica_lost" and e.get("attempt") == 1]
+    fenced = [e for e in x.trace if e.get("event") == "attempt_fenced" and e.get("attempt") == 1]
+    started = [e for e in x.trace if e.get("event") == "attempt_started" and e.get("attempt") == 2]
+    ordered = bool(lost and fenced and started) and float(lost[0].get("t") or 0) <= float(
+        fenced[0].get("t") or 0
+    ) <= float(started[0].get("t") or 0)
+    proof = fenced[0].get("proof") if fenced else None
+    v.check(
+        "journal: attempt 1 was lost, then fenced with a proof, before attempt 2 started",
+        ordered and proof in ("cancel_ack", "lease_expiry", "connection_closed"),
+        f"replica_lost {[e.get('t') for e in lost]}, attempt_fenced "
+        f"{[(e.get('t'), e.get('proof'), e.get('waited_ms')) for e in fenced]}, attempt 2 started "
+        f"{[e.get('t') for e in started]}",
+    )
     return v
 
 

@@ -781,3 +781,58 @@ def test_the_report_has_one_picture_per_request_and_nothing_external() -> None:
     assert data["passed"] is False and [len(s["exchanges"]) for s in data["scenarios"]] == [1, 2]
     table = verdict_table(results)
     assert table.splitlines()[1].split()[:3] == ["healthy", "none", "PASS"]
+
+
+# --- a replica frozen before the first delta: fenced, then retried ---------------------------------------
+
+FENCED = record(
+    "completed",
+    "completed",
+    [
+        attempt(1, REPLICA_A, "failed", detail="replica_lost", revoked=0.05),
+        attempt(2, REPLICA_B, "completed", granted=0.06),
+    ],
+    delivered=8,
+    first_delta=True,
+    events=[("attempt_started", 1), ("replica_lost", 1), ("attempt_fenced", 1), ("attempt_started", 2)],
+)
+FENCED["events"][2]["proof"] = "connection_closed"
+
+
+def _frozen(journal: dict[str, Any], replica: str = REPLICA_A) -> v.Evidence:
+    freeze = HookRun("freeze", replica, "kill -STOP", T0 + 0.01, T0 + 0.02, 0)
+    return v.Evidence([streamed(answer(), journal)], sim=True, hooks=[freeze])
+
+
+def test_frozen_in_prefill_passes_when_fenced_before_the_retry() -> None:
+    verdict = v.judge_frozen_in_prefill(_frozen(FENCED))
+    assert verdict.passed, failed_checks(verdict)
+
+
+def test_frozen_in_prefill_fails_when_the_retry_started_before_the_fence() -> None:
+    early = json.loads(json.dumps(FENCED))
+    early["events"][3]["t"] = T0 + 0.015  # attempt 2 started between the loss and the fence
+    verdict = v.judge_frozen_in_prefill(_frozen(early))
+    assert [c.what for c in verdict.failed] == [
+        "journal: no two attempts held a valid lease at once (each revoked before the next was granted)",
+        "journal: attempt 1 was lost, then fenced with a proof, before attempt 2 started",
+    ]
+    assert verdict.failed[0].seen == "attempt 2 started at 1000.015 before attempt 1 was fenced"
+
+
+def test_frozen_in_prefill_names_the_wrong_replica() -> None:
+    verdict = v.judge_frozen_in_prefill(_frozen(FENCED, replica=REPLICA_B))
+    assert failed_checks(verdict) == [
+        (
+            "hook: the frozen replica is the one that held attempt 1",
+            f"froze {REPLICA_B}, attempt 1 on {REPLICA_A}",
+        )
+    ]
+
+
+def test_a_retry_on_the_same_replica_is_noted() -> None:
+    same = json.loads(json.dumps(RETRIED))
+    same["attempts"][1]["replica"] = REPLICA_A
+    verdict = v.judge_retried(v.Evidence([streamed(answer(), same)]))
+    assert verdict.passed
+    assert verdict.notes == [f"the retry ran on the same replica ({REPLICA_A}): no other was healthy then"]
