@@ -2,7 +2,8 @@
 
 The demo only builds the stack; the scenarios, their checks and the reports are the drill's
 (`router_testbed.drill`, the same code as `router-sidecar drill --gateway URL`), run in-process with the
-simulator's fault header and the replicas' own logs. It prints the drill's verdict table and writes its
+simulator's fault header, the replicas' own logs, and in-process hooks that freeze and thaw a replica
+(SIGSTOP/SIGCONT: a path lost with the process alive). It prints the drill's verdict table and writes its
 HTML report (a timeline per request) and JSON results into the work dir, whose path it prints; the report
 is kept after the run, the rest of the work dir only with ``--keep``.
 
@@ -187,6 +188,16 @@ class Stack:
                 )
         return restarted
 
+    def signal_replica(self, address: str, sig: int) -> tuple[int, str]:
+        """The drill's in-process hook: a signal to the simulator at `address` (SIGSTOP/SIGCONT: a replica
+        frozen, then thawed: alive, connected, silent)."""
+        sim = next((s for s in self.sims.values() if s.address == address), None)
+        if sim is None:
+            return 1, f"no replica of this demo listens on {address}"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sim.pid, sig)
+        return 0, f"{signal.Signals(sig).name} to {sim.name} (pid {sim.pid})"
+
     def between_scenarios(self) -> None:
         """After each drill scenario: the gateway must still run; a replica that died is started again."""
         self.check_gateway()
@@ -207,6 +218,8 @@ class Stack:
                     self.gateway.wait(5)
         finally:
             for sim in self.sims.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(sim.pid, signal.SIGCONT)  # a frozen replica must be able to act on SIGTERM
                 with contextlib.suppress(Exception):
                     sim.stop()
             self._stop_replicas()
@@ -292,20 +305,19 @@ def _drill_options(stack: Stack, work: Path, *, real: bool) -> Options:
         json_path=work / RESULTS,
         color=S.enabled,
     )
-    if real and isinstance(stack, RealStack):
+    # The replicas are the demo's own processes: the hooks are in-process signals to them.
+    signals = {"freeze": signal.SIGSTOP, "thaw": signal.SIGCONT}
+    if real:
+        signals["kill"] = signal.SIGKILL
         options.fault_mode = "hooks"
-        options.hook_functions = {
-            action: (lambda address, sig=sig: stack.signal_replica(address, sig))
-            for action, sig in (
-                ("kill", signal.SIGKILL),
-                ("freeze", signal.SIGSTOP),
-                ("thaw", signal.SIGCONT),
-            )
-        }
         options.timeout = 60.0  # a frozen replica is lost by the sidecar's health probe, on a busy CPU
     else:
         options.fault_mode = "sim"
         options.replica_logs = [stack.sim_log(name) for name in REPLICA_NAMES]
+    options.hook_functions = {
+        action: (lambda address, sig=sig: stack.signal_replica(address, sig))
+        for action, sig in signals.items()
+    }
     return options
 
 

@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 
 from router_testbed.drill.hooks import Hooks
-from router_testbed.drill.scenarios import SCENARIOS
+from router_testbed.drill.scenarios import SCENARIOS, run_order
 from tests.harness import REPO
 
 pytestmark = pytest.mark.integration
 
 DEMO_TIMEOUT = 75.0  # below the suite-wide pytest timeout (120 s), leaving room for cleanup
+
+
+def _unused(replica: str) -> tuple[int, str]:
+    raise AssertionError("only its presence counts")
 
 
 def test_demo_fast_passes_every_scenario() -> None:
@@ -44,12 +48,16 @@ def test_demo_fast_passes_every_scenario() -> None:
     work = Path(report.group(1)).parent if report else None
     try:
         assert proc.returncode == 0, f"demo exited with {proc.returncode}:\n{output}"
-        expected = [s.name for s in SCENARIOS if s.runs_in("sim", Hooks(), None)[0]]
-        assert len(expected) == 11
+        # Sim mode with the demo's freeze/thaw hooks: every scenario but the kill hook's and the tool's.
+        hooks = Hooks(functions={"freeze": _unused, "thaw": _unused})
+        expected = [
+            s.name for s in run_order([s for s in SCENARIOS if s.runs_in("sim", hooks, None)[0]], "sim")
+        ]
+        assert len(expected) == 13 and expected[-2:] == ["frozen-in-prefill", "frozen-after-first-delta"]
         for name in expected:
             row = re.compile(rf"^  {re.escape(name)} +x?-?.* PASS +\d+/\d+ ", re.MULTILINE)
             assert row.search(stdout), f"no PASS row for {name}:\n{output}"
-            assert f"drill [{expected.index(name) + 1}/11] {name} PASS" in stderr  # progress, not a tty
+            assert f"drill [{expected.index(name) + 1}/{len(expected)}] {name} PASS" in stderr  # not a tty
         assert f"{len(expected)}/{len(expected)} scenarios passed" in stdout
         assert "FAIL" not in stdout
         # The report outlives the demo (the rest of its work dir does not): one picture per request.
