@@ -192,6 +192,32 @@ def check_attempts(v: Verdict, x: Exchange, n: int) -> None:
     )
 
 
+def check_no_attempt_after_first_delta(v: Verdict, x: Exchange) -> None:
+    """After the first delta there is no retry: the attempt that delivered is the last one, and any earlier
+    attempt failed before any content (a retry then is allowed, and noted)."""
+    first_delta = [
+        float(e["t"]) for e in x.trace if e.get("event") == "first_delta_sent" and _num(e.get("t"))
+    ]
+    late = [
+        e.get("attempt")
+        for e in x.trace
+        if e.get("event") == "attempt_started" and first_delta and float(e.get("t") or 0) > first_delta[0]
+    ]
+    earlier_failed = all(a.get("outcome") == "failed" for a in x.attempts[:-1])
+    v.check(
+        "journal: no attempt after the first delta (one attempt delivered; any earlier one failed before "
+        "content)",
+        bool(x.attempts) and earlier_failed and not late,
+        f"{_attempts_summary(x)}" + (f"; attempt(s) {late} started after the first delta" if late else ""),
+    )
+    if len(x.attempts) > 1 and earlier_failed and not late:
+        v.note(f"retried before the first delta: {_attempts_summary(x)}")
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, int | float)
+
+
 def check_leases(v: Verdict, x: Exchange) -> None:
     """Invariant 4 from the journal: each attempt's lease was revoked before the next one's was granted,
     and a fenced attempt was fenced before the next one started."""
@@ -404,7 +430,7 @@ def check_interrupted(
     check_stream_shape(v, x, view)
     if check_record(v, x):
         check_journal(v, x, "interrupted", INTERRUPTED, first_delta=True)
-        check_attempts(v, x, 1)
+        check_no_attempt_after_first_delta(v, x)
         v.check(
             "client: x-request-id names the request, so a cut stream can be looked up",
             x.response_request_id == x.request_id,

@@ -358,21 +358,57 @@ def test_death_after_first_delta_fails_when_the_journal_counts_more_than_the_rep
 
 
 def test_death_after_first_delta_fails_on_a_second_answer() -> None:
-    journal = {
-        **INTERRUPTED,
-        "attempts": [attempt(1, REPLICA_A, "failed"), attempt(2, REPLICA_B, "interrupted")],
-        "attempt": 2,
-    }
+    journal = record(
+        "interrupted",
+        "upstream_decode_interrupted",
+        [attempt(1, REPLICA_A, "failed"), attempt(2, REPLICA_B, "interrupted")],
+        delivered=3,
+        first_delta=True,
+        events=[
+            ("attempt_started", 1),
+            ("first_delta_sent", 1),
+            ("attempt_started", 2),
+            ("stream_reset", None),
+        ],
+    )
     x = streamed(
         [role(), content(1), content(2), role("chatcmpl-b"), content(1, "chatcmpl-b")],
         journal,
         transport_error="ReadError: x",
     )
     verdict = v.judge_death_after_first_delta(v.Evidence([x], sim=True))
-    assert {c.what for c in verdict.failed} >= {
+    assert [c.what for c in verdict.failed] == [
         "client: every event comes from one completion (content from at most one attempt)",
-        "journal: exactly 1 attempt",
-    }
+        "journal: no attempt after the first delta (one attempt delivered; any earlier one failed before "
+        "content)",
+    ]
+    assert verdict.failed[1].seen == (
+        f"#1 on {REPLICA_A}: failed; #2 on {REPLICA_B}: interrupted; "
+        "attempt(s) [2] started after the first delta"
+    )
+
+
+def test_a_retry_before_the_first_delta_then_an_interruption_is_honest() -> None:
+    journal = record(
+        "interrupted",
+        "upstream_decode_interrupted",
+        [attempt(1, REPLICA_A, "failed", detail="replica_lost"), attempt(2, REPLICA_B, "interrupted")],
+        delivered=3,
+        first_delta=True,
+        events=[
+            ("attempt_started", 1),
+            ("attempt_started", 2),
+            ("first_delta_sent", 2),
+            ("stream_terminated", None),
+        ],
+    )
+    x = streamed([role(), content(1), content(2), content(3), frame(3), DONE], journal)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([x]))
+    assert verdict.passed, failed_checks(verdict)
+    assert verdict.notes == [
+        f"retried before the first delta: #1 on {REPLICA_A}: failed (replica_lost); "
+        f"#2 on {REPLICA_B}: interrupted"
+    ]
 
 
 def test_with_hooks_a_kill_after_the_stream_completed_proves_nothing() -> None:
