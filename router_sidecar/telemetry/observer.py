@@ -9,6 +9,7 @@ the policy's known set or the client's string truncated); no request ids on metr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from router_sidecar.core.attempt import AttemptState
 from router_sidecar.core.events import EventName
 from router_sidecar.core.request import LogicalRequest, Phase
+
+log = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NS = "router_sidecar."
@@ -205,12 +208,20 @@ class Telemetry:
     # --- the events --------------------------------------------------------------------------------------
 
     def observe(self, request: LogicalRequest, records: list[dict[str, Any]]) -> None:
+        try:
+            self._observe(request, records)
+        except Exception:  # a view must never fail the request it looks at
+            log.exception("telemetry: events of request %s not recorded", request.request_id)
+
+    def _observe(self, request: LogicalRequest, records: list[dict[str, Any]]) -> None:
         for record in records:
             try:
                 name = EventName(record.get("event"))
             except ValueError:
                 continue
-            at = float(record.get("t") or 0.0)
+            at = record.get("t")
+            if not isinstance(at, int | float):
+                continue
             if name is EventName.REQUEST_ACCEPTED:
                 self._accepted(request, record, at)
                 continue
@@ -245,6 +256,12 @@ class Telemetry:
 
     def finished(self, request: LogicalRequest) -> None:
         """The request's stream is over (its last journal write): end its spans, count its metrics."""
+        try:
+            self._finished(request)
+        except Exception:  # a view must never fail the request it looks at
+            log.exception("telemetry: the end of request %s not recorded", request.request_id)
+
+    def _finished(self, request: LogicalRequest) -> None:
         self._parents.pop(request, None)
         traced = self._open.pop(request, None)
         if traced is None:

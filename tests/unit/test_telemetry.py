@@ -318,3 +318,23 @@ def test_json_log_lines_name_their_request() -> None:
     assert first["message"] == "attempt 1 failed" and first["level"] == "WARNING"
     assert (first["request_id"], first["attempt_id"], first["trace_id"]) == ("req-1", "att-1", "ab" * 16)
     assert "request_id" not in second  # another task's ids never leak into this one's lines
+
+
+def test_a_broken_view_never_fails_the_request(caplog: pytest.LogCaptureFixture) -> None:
+    """Telemetry runs inside the journal's drain: whatever goes wrong there is logged, not raised."""
+
+    class Broken(Telemetry):
+        def _observe(self, request: LogicalRequest, records: list[dict[str, Any]]) -> None:
+            raise RuntimeError("exporter bug")
+
+        def _finished(self, request: LogicalRequest) -> None:
+            raise RuntimeError("exporter bug")
+
+    request = new_request()
+    broken = Broken()
+    broken.observe(request, [e.as_record(1.0) for e in request.drain_events()])
+    broken.finished(request)
+    assert [r.message for r in caplog.records] == [
+        "telemetry: events of request req-0001 not recorded",
+        "telemetry: the end of request req-0001 not recorded",
+    ]
