@@ -55,9 +55,14 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def replicas(
     install: Installation, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, VllmReplica]]:
-    work = tmp_path_factory.mktemp("vllm")
     t0 = time.monotonic()
-    pool = start_replicas(["a", "b"], install, work, timeout=START_TIMEOUT)
+    try:
+        pool = start_replicas(["a", "b"], install, tmp_path_factory.mktemp("vllm"), timeout=START_TIMEOUT)
+    except (TimeoutError, RuntimeError) as exc:
+        # vLLM's start-up is not what this tier tests: on a starved machine its engine workers can fail to
+        # come up in time. Once more from scratch, then the failure stands.
+        print(f"\nreal_engine: vLLM did not start ({str(exc)[:300]}); starting both once more")
+        pool = start_replicas(["a", "b"], install, tmp_path_factory.mktemp("vllm"), timeout=START_TIMEOUT)
     print(f"\nreal_engine: 2 vLLM replicas ready in {time.monotonic() - t0:.1f}s")
     try:
         yield pool
