@@ -8,7 +8,11 @@ Where the facts come from:
 * the operator's fingerprint file (YAML or JSON, flat mapping of the field names below; unknown keys
   are errors) for what the engine cannot tell: weights revision, quantization, tokenizer and
   chat-template digests, attention backend, KV-cache dtype, block size, parallelism;
-* the engine (``/v1/models``, ``/version``) for model id, LoRA adapters, engine name and version.
+* the engine for what it reports about itself: vLLM (``/v1/models``, ``/version``) the model id, LoRA
+  adapters, engine name and version; SGLang (``/v1/models`` with ``owned_by: "sglang"``,
+  ``/get_model_info``, ``/get_server_info``) those too, and the weights version it was started with or
+  updated to, its attention backend, KV-cache dtype, page (block) size and parallelism (see
+  :func:`from_sglang`).
 
 Merge rule (:func:`merge`): a field is taken from whichever source states it. When both state it, the
 values must be equal after normalisation; otherwise it is a :class:`FingerprintConflict` naming every
@@ -66,7 +70,9 @@ __all__ = [
     "compatible",
     "describe_difference",
     "differing_fields",
+    "engine_kind",
     "from_engine",
+    "from_sglang",
     "load_fingerprint_file",
     "merge",
 ]
@@ -298,9 +304,30 @@ class EngineInfo:
 
     root: str | None = None  # the model path or repository the engine loaded
     max_model_len: int | None = None
+    model_type: str | None = None  # the architecture family the engine reports (SGLang: "llama", ...)
 
     def to_mapping(self) -> dict[str, Any]:
-        return {"root": self.root, "max_model_len": self.max_model_len}
+        out: dict[str, Any] = {"root": self.root, "max_model_len": self.max_model_len}
+        if self.model_type is not None:  # only engines that report it: vLLM registrations stay as they were
+            out["model_type"] = self.model_type
+        return out
+
+
+SGLANG = "sglang"
+
+
+def engine_kind(models: Any) -> str | None:
+    """The engine behind a ``/v1/models`` body, from its cards' ``owned_by`` (``"vllm"``, ``"sglang"``, ...);
+    None when the body says nothing usable."""
+    cards = models.get("data") if isinstance(models, Mapping) else None
+    if not isinstance(cards, list):
+        return None
+    owners = {c.get("owned_by") for c in cards if isinstance(c, Mapping)}
+    owners.discard(None)
+    if len(owners) != 1:
+        return None
+    (owner,) = owners
+    return owner.lower() if isinstance(owner, str) and owner.strip() else None
 
 
 def from_engine(models: Any, version: Any, *, model_id: str | None = None) -> tuple[Fingerprint, EngineInfo]:
@@ -309,6 +336,73 @@ def from_engine(models: Any, version: Any, *, model_id: str | None = None) -> tu
     ``model_id`` (from the file) selects the base model when the engine serves several names; base
     models are cards without ``parent``, LoRA adapters are cards with one (vLLM, SGLang).
     """
+    chosen, adapters = _choose_model(models, model_id)
+    engine_version = version.get("version") if isinstance(version, Mapping) else None
+    fingerprint = Fingerprint(
+        model_id=chosen["id"],
+        lora_adapters=adapters,
+        engine_name=chosen.get("owned_by") or None,
+        engine_version=_str_or_none(engine_version),
+    )
+    info = EngineInfo(
+        root=_str_or_none(chosen.get("root")), max_model_len=_int_or_none(chosen.get("max_model_len"))
+    )
+    return fingerprint, info
+
+
+def from_sglang(
+    models: Any, model_info: Any, server_info: Any, *, model_id: str | None = None
+) -> tuple[Fingerprint, EngineInfo]:
+    """Parse SGLang's ``/v1/models``, ``/get_model_info`` and ``/get_server_info`` bodies (JSON-decoded).
+
+    SGLang has no ``/version``: its version is ``/get_server_info``'s ``version`` (verified on 0.5.23), which
+    also carries the server arguments that change numerics or the KV layout. What it reports:
+
+    * ``weights_revision``: ``weight_version`` (set by ``--weight-version`` or a weight update), else the
+      ``--revision`` it loaded. ``"default"`` is SGLang's placeholder when neither was given: unknown,
+      not a revision;
+    * ``attention_backend`` (only when no separate prefill/decode backend overrides it), ``kv_cache_dtype``,
+      ``block_size`` (= ``page_size``, tokens per KV page), ``tensor_parallel_size`` (``tp_size``),
+      ``pipeline_parallel_size`` (``pp_size``), ``quantization`` (null = not stated, so unknown);
+    * the model path and type (``/get_model_info``) as :class:`EngineInfo`, not compatibility: two paths
+      may hold the same weights.
+
+    A key that is absent or null stays unknown; a value of the wrong type is unknown too (never guessed).
+    """
+    chosen, adapters = _choose_model(models, model_id)
+    model = model_info if isinstance(model_info, Mapping) else {}
+    server = server_info if isinstance(server_info, Mapping) else {}
+    weight_version = _str_or_none(model.get("weight_version") or server.get("weight_version"))
+    if weight_version is not None and weight_version.strip().lower() == "default":
+        weight_version = None
+    backend = _str_or_none(server.get("attention_backend"))
+    for phase in ("prefill_attention_backend", "decode_attention_backend"):
+        override = server.get(phase)
+        if override is not None and override != backend:
+            backend = None  # two backends in play: one name would hide the other
+    fingerprint = Fingerprint(
+        model_id=chosen["id"],
+        weights_revision=weight_version or _str_or_none(server.get("revision")),
+        quantization=_str_or_none(server.get("quantization")),
+        attention_backend=backend,
+        kv_cache_dtype=_str_or_none(server.get("kv_cache_dtype")),
+        block_size=_size_or_none(server.get("page_size")),
+        tensor_parallel_size=_size_or_none(server.get("tp_size")),
+        pipeline_parallel_size=_size_or_none(server.get("pp_size")),
+        lora_adapters=adapters,
+        engine_name=chosen.get("owned_by") or SGLANG,
+        engine_version=_str_or_none(server.get("version")),
+    )
+    info = EngineInfo(
+        root=_str_or_none(model.get("model_path")) or _str_or_none(chosen.get("root")),
+        max_model_len=_int_or_none(chosen.get("max_model_len")),
+        model_type=_str_or_none(model.get("model_type")),
+    )
+    return fingerprint, info
+
+
+def _choose_model(models: Any, model_id: str | None) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """The base model card to fingerprint and the LoRA adapters' names, from a ``/v1/models`` body."""
     cards = models.get("data") if isinstance(models, Mapping) else None
     if not isinstance(cards, list) or not all(isinstance(c, Mapping) and "id" in c for c in cards):
         raise FingerprintError("", "engine /v1/models did not return a list of models under 'data'")
@@ -325,16 +419,18 @@ def from_engine(models: Any, version: Any, *, model_id: str | None = None) -> tu
                 "model_id", f"engine serves several models ({ids}); set model_id in the fingerprint file"
             )
         chosen = bases[0]  # a differing file model_id then surfaces as a merge conflict
-    engine_version = version.get("version") if isinstance(version, Mapping) else None
-    max_len = chosen.get("max_model_len")
-    fingerprint = Fingerprint(
-        model_id=chosen["id"],
-        lora_adapters=tuple(c["id"] for c in adapters),
-        engine_name=chosen.get("owned_by") or None,
-        engine_version=engine_version if isinstance(engine_version, str) and engine_version else None,
-    )
-    info = EngineInfo(
-        root=chosen.get("root") if isinstance(chosen.get("root"), str) else None,
-        max_model_len=max_len if isinstance(max_len, int) and not isinstance(max_len, bool) else None,
-    )
-    return fingerprint, info
+    return chosen, tuple(c["id"] for c in adapters)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _size_or_none(value: Any) -> int | None:
+    """A size the engine reports for a fingerprint field: a positive integer, else unknown."""
+    number = _int_or_none(value)
+    return number if number is not None and number >= 1 else None

@@ -1,10 +1,17 @@
 """`router-sidecar replica`: register one engine replica in etcd while, and only while, it is healthy.
 
-Every ``interval`` seconds the agent probes the engine (``/health``, then ``/v1/models`` and ``/version``),
-builds the fingerprint (file merged with what the engine reports, see `fingerprint`), and makes the
-registry match: healthy → registered under a lease kept alive by `Heartbeat`; unhealthy (non-200,
+Every ``interval`` seconds the agent probes the engine (``/health``, then ``/v1/models`` and what the engine
+says about itself), builds the fingerprint (file merged with what the engine reports, see `fingerprint`), and
+makes the registry match: healthy → registered under a lease kept alive by `Heartbeat`; unhealthy (non-200,
 refused, timed out, unreadable) → withdrawn at once (key deleted, lease revoked). An engine that comes
 back is registered again with a fresh fingerprint (it may have been upgraded meanwhile).
+
+The engine is recognised by ``/v1/models`` (``owned_by``): vLLM (and anything else) reports its version on
+``/version``; SGLang on ``/get_server_info``, its weights version and model on ``/get_model_info``. SGLang
+answers ``/health`` only after waiting a second for its scheduler to produce a token, so its health probe
+gets that much longer than the tick's timeout; while it drains after SIGTERM it answers ``/health`` with
+503 at once but still accepts new requests, so that 503 is what withdraws it (refused connections come
+only seconds later, when it exits).
 
 Exit codes: 0 after SIGTERM/SIGINT (registration withdrawn first); 2 for configuration errors: etcd
 unreachable at start, invalid fingerprint file, file and engine disagreeing, ``--interval`` ≥ ``--ttl``.
@@ -32,10 +39,13 @@ from router_sidecar.coordination.engine_http import EngineDown, http_get, split_
 from router_sidecar.coordination.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
 from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
 from router_sidecar.core.fingerprint import (
+    SGLANG,
     EngineInfo,
     Fingerprint,
     FingerprintError,
+    engine_kind,
     from_engine,
+    from_sglang,
     load_fingerprint_file,
     merge,
 )
@@ -49,18 +59,26 @@ class ConfigError(Exception):
     """A start-up or configuration problem: reported on stderr, exit code 2."""
 
 
+# SGLang's /health sends a one-token generation and answers after polling for the scheduler's output once
+# a second (sglang/srt/entrypoints/http_server.py, 0.5.23): ≥ 1 s when healthy, 2 s when a busy CPU made the
+# first poll miss it. A frozen or dead scheduler still shows up as a timeout, just that much later.
+SGLANG_HEALTH_ALLOWANCE = 2.0
+
+
 class EngineProbe:
     """The engine's OpenAI-compatible server, as seen by the agent."""
 
     def __init__(self, engine: str, *, timeout: float) -> None:
         self.host, self.port = split_hostport(engine)
         self.timeout = timeout
+        self.kind: str | None = None  # from /v1/models' owned_by once seen: "vllm", "sglang", ...
 
-    async def _get(self, path: str) -> tuple[int, bytes]:
+    async def _get(self, path: str, timeout: float | None = None) -> tuple[int, bytes]:
+        timeout = self.timeout if timeout is None else timeout
         try:
-            return await http_get(self.host, self.port, path, self.timeout)
+            return await http_get(self.host, self.port, path, timeout)
         except TimeoutError as exc:
-            raise EngineDown(f"GET {path}: no answer within {self.timeout:g}s") from exc
+            raise EngineDown(f"GET {path}: no answer within {timeout:g}s") from exc
         except OSError as exc:
             raise EngineDown(f"GET {path}: {exc.strerror or exc}") from exc
 
@@ -73,13 +91,34 @@ class EngineProbe:
         except ValueError as exc:
             raise EngineDown(f"GET {path}: body is not JSON") from exc
 
+    def health_timeout(self) -> float:
+        # Until /v1/models has said which engine this is, allow for SGLang: otherwise the first probe of a
+        # healthy SGLang would always time out, and its registration wait a tick.
+        if self.kind is None or self.kind == SGLANG:
+            return self.timeout + SGLANG_HEALTH_ALLOWANCE
+        return self.timeout
+
     async def check(self, model_id: str | None) -> tuple[Fingerprint, EngineInfo]:
         """Health first (it is the engine's own readiness verdict), then what it says about itself."""
-        status, _ = await self._get("/health")
+        try:
+            return await self._check(model_id)
+        except EngineDown:
+            self.kind = None  # whatever comes back on this port (another engine?) is recognised afresh
+            raise
+
+    async def _check(self, model_id: str | None) -> tuple[Fingerprint, EngineInfo]:
+        status, _ = await self._get("/health", self.health_timeout())
         if status != 200:
+            # Also SGLang draining after SIGTERM: 503 here while it still serves; withdrawn now, not at exit.
             raise EngineDown(f"GET /health: HTTP {status}")
-        models, version = await asyncio.gather(self._json("/v1/models"), self._json("/version"))
-        return from_engine(models, version, model_id=model_id)
+        models = await self._json("/v1/models")
+        self.kind = engine_kind(models) or "unnamed"
+        if self.kind == SGLANG:
+            model_info, server_info = await asyncio.gather(
+                self._json("/get_model_info"), self._json("/get_server_info")
+            )
+            return from_sglang(models, model_info, server_info, model_id=model_id)
+        return from_engine(models, await self._json("/version"), model_id=model_id)
 
 
 @dataclass(frozen=True)
@@ -180,7 +219,13 @@ class ReplicaAgent:
         if previous is not None and previous.digest != replica.digest:
             log.warning("engine fingerprint changed: %s → %s", previous.digest, replica.digest)
         if self._healthy is not True:
-            log.info("engine %s healthy; fingerprint %s", self.options.engine, replica.digest)
+            log.info(
+                "engine %s (%s %s) healthy; fingerprint %s",
+                self.options.engine,
+                fingerprint.engine_name or "unnamed engine",
+                fingerprint.engine_version or "of unknown version",
+                replica.digest,
+            )
             unknown = fingerprint.unknown_fields()
             if unknown:
                 # Unknown is part of the digest (never matches a known value), but the operator should

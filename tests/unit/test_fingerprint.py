@@ -10,13 +10,16 @@ import pytest
 
 from router_sidecar.core.fingerprint import (
     FIELDS,
+    EngineInfo,
     Fingerprint,
     FingerprintConflict,
     FingerprintError,
     compatible,
     describe_difference,
     differing_fields,
+    engine_kind,
     from_engine,
+    from_sglang,
     load_fingerprint_file,
     merge,
 )
@@ -274,3 +277,159 @@ def test_from_engine_rejects_malformed_models(body: Any) -> None:
 def test_from_engine_without_version_leaves_it_unknown() -> None:
     fingerprint, _ = from_engine(models_body(card("tiny")), {})
     assert fingerprint.engine_version is None
+
+
+# ----------------------------------------------------------------------------- SGLang
+
+# Response bodies of a real SGLang 0.5.23 (shared/reference/sglang-0.5.23-cpu/transcripts/, served without
+# --served-model-name, so the model id is its path), byte for byte.
+SGLANG_MODELS = (
+    '{"object":"list","data":[{"id":"/tmp/sgl/tiny","object":"model","created":1796104918,"owned_by":"sgl'
+    'ang","root":"/tmp/sgl/tiny","parent":null,"max_model_len":1024}]}'
+)
+SGLANG_MODEL_INFO = (
+    '{"model_path":"/tmp/sgl/tiny","served_model_name":"/tmp/sgl/tiny","tokenizer_path":"/tmp/sgl/tiny","'
+    'is_generation":true,"preferred_sampling_params":null,"weight_version":"default","load_format":"auto"'
+    ',"reasoning_parser":null,"tool_call_parser":null,"disaggregation_mode":"null","has_image_understandi'
+    'ng":false,"has_audio_understanding":false,"model_type":"llama","architectures":["LlamaForCausalLM"],'
+    '"embedding":{"family":"none","task":"none","execution":"none","attention":"none","pooling":"model_de'
+    'fined","normalize":false,"postprocessor":"none","tokenizer_special_tokens":"model_default","supports'
+    '_dimensions":false,"supports_token_embeddings":false,"supports_multimodal":false,"requires_embedding'
+    '_flag":false,"auto_enable_embedding":false,"bcg_eligibility":"disabled","safe_disable_kv_cache":fals'
+    'e,"safe_disable_radix_cache":false,"safe_disable_chunked_prefill":false,"enabled":false,"matryoshka_'
+    'dimensions":[],"bcg":{"prefill_backend":"disabled","enabled":false,"capture_token_budget":4096,"capt'
+    'ure_batch_sizes":[4,8,12,16,20,24,28,32,48,64,80,96,112,128,144,160,176,192,208,224,240,256,288,320,'
+    "352,384,416,448,480,512,576,640,704,768,832,896,960,1024,1280,1536,1792,2048,2304,2560,2816,3072,332"
+    '8,3584,3840,4096]},"cache":{"kv_cache_disabled":false,"radix_cache_disabled":false,"chunked_prefill_'
+    'disabled":false}}}'
+)
+# /get_server_info of the real SGLang 0.5.23 the real-engine tier runs (37 KB: the keys read, verbatim).
+SGLANG_SERVER_INFO: dict[str, Any] = {
+    "model_path": "/tmp/sgl/tiny",
+    "version": "0.5.23",
+    "weight_version": "default",
+    "revision": None,
+    "quantization": None,
+    "attention_backend": "torch_native",
+    "prefill_attention_backend": None,
+    "decode_attention_backend": None,
+    "kv_cache_dtype": "auto",
+    "page_size": 1,
+    "tp_size": 1,
+    "pp_size": 1,
+    "dp_size": 1,
+}
+
+
+def sglang_bodies() -> tuple[Any, Any, dict[str, Any]]:
+    return json.loads(SGLANG_MODELS), json.loads(SGLANG_MODEL_INFO), dict(SGLANG_SERVER_INFO)
+
+
+def test_engine_kind_from_models() -> None:
+    assert engine_kind(json.loads(SGLANG_MODELS)) == "sglang"
+    assert engine_kind(models_body(card("tiny"), card("lora", "tiny"))) == "vllm"
+    assert engine_kind(models_body()) is None
+    assert engine_kind({"data": [{"id": "x"}]}) is None  # no owned_by: nothing to go by
+    assert engine_kind([]) is None
+
+
+def test_from_sglang_reads_the_real_bodies() -> None:
+    fingerprint, info = from_sglang(*sglang_bodies())
+    assert fingerprint == Fingerprint(
+        model_id="/tmp/sgl/tiny",
+        attention_backend="torch_native",
+        kv_cache_dtype="auto",
+        block_size=1,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        lora_adapters=(),
+        engine_name="sglang",
+        engine_version="0.5.23",
+    )
+    # "default" is SGLang's placeholder weight_version, quantization null is "not stated": both unknown.
+    assert fingerprint.weights_revision is None and fingerprint.quantization is None
+    assert info == EngineInfo(root="/tmp/sgl/tiny", max_model_len=1024, model_type="llama")
+    assert info.to_mapping() == {"root": "/tmp/sgl/tiny", "max_model_len": 1024, "model_type": "llama"}
+
+
+def test_from_sglang_root_is_the_model_path_not_the_served_name() -> None:
+    models, model_info, server_info = sglang_bodies()
+    models["data"][0].update(id="tiny", root="tiny")  # --served-model-name tiny
+    fingerprint, info = from_sglang(models, model_info, server_info)
+    assert fingerprint.model_id == "tiny" and info.root == "/tmp/sgl/tiny"
+
+
+@pytest.mark.parametrize(
+    ("model_info", "server_info", "expected"),
+    [
+        ({"weight_version": "step-42"}, {}, "step-42"),  # --weight-version, or after update_weights
+        ({"weight_version": "default"}, {"revision": "7AE5576"}, "7ae5576"),  # the HF revision it loaded
+        ({"weight_version": "Default"}, {}, None),
+        ({}, {"weight_version": "v2"}, "v2"),
+        ({"weight_version": None}, {"revision": None}, None),
+    ],
+)
+def test_from_sglang_weights_revision(model_info: Any, server_info: Any, expected: str | None) -> None:
+    fingerprint, _ = from_sglang(json.loads(SGLANG_MODELS), model_info, server_info)
+    assert fingerprint.weights_revision == expected
+
+
+def test_from_sglang_a_weight_update_changes_the_digest() -> None:
+    models, model_info, server_info = sglang_bodies()
+    before, _ = from_sglang(models, model_info, server_info)
+    after, _ = from_sglang(models, {**model_info, "weight_version": "step-1"}, server_info)
+    assert differing_fields(before, after) == ("weights_revision",)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"prefill_attention_backend": "torch_native"}, "torch_native"),  # the same backend, named twice
+        ({"decode_attention_backend": "triton"}, None),  # two backends in play: not one name
+        ({"attention_backend": None}, None),
+        ({"attention_backend": "FlashInfer"}, "flashinfer"),
+    ],
+)
+def test_from_sglang_attention_backend(overrides: dict[str, Any], expected: str | None) -> None:
+    models, model_info, server_info = sglang_bodies()
+    fingerprint, _ = from_sglang(models, model_info, {**server_info, **overrides})
+    assert fingerprint.attention_backend == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "1", 1.0, None])
+def test_from_sglang_sizes_that_are_not_positive_integers_are_unknown(value: Any) -> None:
+    models, model_info, server_info = sglang_bodies()
+    fingerprint, _ = from_sglang(models, model_info, {**server_info, "page_size": value, "tp_size": value})
+    assert fingerprint.block_size is None and fingerprint.tensor_parallel_size is None
+
+
+def test_from_sglang_without_server_info_knows_only_the_models_card() -> None:
+    fingerprint, info = from_sglang(json.loads(SGLANG_MODELS), None, None)
+    assert fingerprint == Fingerprint(model_id="/tmp/sgl/tiny", lora_adapters=(), engine_name="sglang")
+    assert info == EngineInfo(root="/tmp/sgl/tiny", max_model_len=1024)
+
+
+def test_from_sglang_adapters_and_model_choice_as_for_vllm() -> None:
+    base = {**json.loads(SGLANG_MODELS)["data"][0], "id": "tiny"}
+    adapter = {**base, "id": "sql-lora", "root": "/loras/sql", "parent": "tiny"}
+    fingerprint, _ = from_sglang(models_body(base, adapter), {}, SGLANG_SERVER_INFO, model_id="tiny")
+    assert fingerprint.lora_adapters == ("sql-lora",) and fingerprint.model_id == "tiny"
+    with pytest.raises(FingerprintError, match="several models"):
+        from_sglang(models_body(base, {**base, "id": "other"}), {}, SGLANG_SERVER_INFO)
+
+
+def test_sglang_file_and_engine_merge() -> None:
+    probed, _ = from_sglang(*sglang_bodies())
+    declared = Fingerprint(weights_revision="aaaa1111", attention_backend="torch-native", block_size=1)
+    merged = merge(declared, probed)
+    assert merged.weights_revision == "aaaa1111" and merged.engine_version == "0.5.23"
+    with pytest.raises(FingerprintConflict) as info:
+        merge(Fingerprint(block_size=16, engine_name="vllm"), probed)
+    assert info.value.fields == ("block_size", "engine_name")
+
+
+def test_sglang_and_vllm_replicas_of_one_model_are_not_compatible() -> None:
+    sglang, _ = from_sglang(*sglang_bodies())
+    vllm, _ = from_engine(models_body(card("/tmp/sgl/tiny", max_model_len=1024)), {"version": "0.32.0"})
+    assert not compatible(sglang, vllm)
+    assert "engine_name: pinned 'sglang' vs candidate 'vllm'" in describe_difference(sglang, vllm)
