@@ -322,9 +322,10 @@ def _drill_options(stack: Stack, work: Path, *, real: bool) -> Options:
 
 
 def _tidy(work: Path, keep: bool) -> None:
-    """Keep the reports; the rest of the work dir (logs, etcd data) only with --keep."""
+    """Keep the reports; the rest of the work dir (logs, etcd data) only with --keep, or when the drill
+    could not run (its logs say why)."""
     if keep:
-        out(f"kept {work}")
+        out(f"kept {work} (logs, etcd data, reports)")
         return
     for entry in work.iterdir():
         if entry.name in (REPORT, RESULTS):
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(work, token_interval=FAST_TOKEN_INTERVAL if args.fast else TOKEN_INTERVAL)
         what = "etcd + 2 simulated replicas + Envoy, faults by the simulator's x-sim-fault header"
     code = 1
+    ran = False  # whether the drill ran: if not, the logs are what is left to look at
     try:
         with _sigterm_as_interrupt():
             out(S.bold(f"router-sidecar demo: first-delta failover, on {what}"))
@@ -369,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             # A killed vLLM takes 30+ s to come back and the kill runs last: nothing to restart for.
             between = None if args.real_vllm else stack.between_scenarios
             code = run(options, between=between)
+            ran = True
             stack.check_gateway()
     except KeyboardInterrupt:
         out(S.red("\ninterrupted; stopping everything"))
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         stack.stop()
-        _tidy(work, args.keep)
+        _tidy(work, args.keep or not ran)
     return code
 
 

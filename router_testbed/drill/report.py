@@ -284,7 +284,11 @@ def timeline_svg(x: Exchange) -> str:
         out.append(f'<line x1="{tx:.1f}" y1="{TOP}" x2="{tx:.1f}" y2="{axis_y}" class="grid"/>')
         out.append(f'<text x="{tx:.1f}" y="{axis_y + 16}" class="tick">{tick:g}s</text>')
 
-    _client_lane(out, x, scale, lane_y(0))
+    # The top row carries the hooks' names first (what was done to a replica), then the response status.
+    top = _Labels([TOP + 10, TOP + LANE_H - 3])
+    for h in x.hooks:
+        out.append(f'<g class="hook">{top.place(scale.x(h.started_at) + 3, h.action, "hl")}</g>')
+    _client_lane(out, x, scale, lane_y(0), top)
     _gateway_lane(out, x, scale, lane_y(1))
     for a in x.attempts:
         i = lanes.index(str(a.get("replica")))
@@ -302,8 +306,7 @@ def timeline_svg(x: Exchange) -> str:
         hx = scale.x(h.started_at)
         out.append(
             f'<g class="hook"><title>{_e(h.describe())}</title>'
-            f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/>'
-            f'<text {_anchor(hx + 3)} y="{axis_y - 3}">{_e(h.action)}</text></g>'
+            f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/></g>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -319,7 +322,7 @@ def _replica_names(x: Exchange) -> dict[str, str]:
     return names
 
 
-def _client_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
+def _client_lane(out: list[str], x: Exchange, scale: _Scale, y: float, top: _Labels) -> None:
     end = x.ended_at or x.sent_at
     out.append(
         f'<line x1="{scale.x(x.sent_at):.1f}" y1="{y}" x2="{scale.x(end):.1f}" y2="{y}" class="span"/>'
@@ -334,7 +337,7 @@ def _client_lane(out: list[str], x: Exchange, scale: _Scale, y: float) -> None:
         out.append(
             f"<g><title>{_e(text)} at +{x.headers_at - x.sent_at:.3f}s</title>"
             f'<rect x="{hx - 1:.1f}" y="{y - 7}" width="2" height="14" class="{cls}"/>'
-            f'<text {_anchor(hx + 3)} y="{y - 9}" class="{cls}">{_e(_cut(text, 40))}</text></g>'
+            f"{top.place(hx + 3, _cut(text, 40), cls)}</g>"
         )
     if x.is_event_stream:
         view = read_stream(x)
@@ -493,7 +496,7 @@ svg .reset path{stroke:#d9534f;stroke-width:2.5} svg .gone path{stroke:#8e44ad;s
 svg .ev circle{fill:#666} svg .evl{fill:#555;font-size:10px} svg .bar{fill:#333;font-size:10px}
 svg .grant path{fill:#2e7d32} svg .revoke path{fill:#c62828}
 svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fl{font-size:10px;fill:#000}
-svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hook text{fill:#8e44ad}
+svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hl{fill:#8e44ad;font-size:11px}
 svg .rlog rect{fill:#777} svg .muted{fill:#888}
 """
 
