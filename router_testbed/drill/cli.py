@@ -148,19 +148,17 @@ def select(options: Options, hooks: Hooks) -> tuple[str, list[Scenario]]:
     if options.long_tokens < 8:
         raise UsageError("--long-tokens must be at least 8")
     mode = options.fault_mode or ("hooks" if hooks.available else "sim")
-    if mode == "hooks" and "freeze" in hooks.available and "thaw" not in hooks.available:
+    if "freeze" in hooks.available and "thaw" not in hooks.available:
         raise UsageError("--freeze-cmd needs --thaw-cmd: a frozen replica must be thawed after its scenario")
     unknown = [n for n in options.scenarios if n not in BY_NAME]
     if unknown:
         raise UsageError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     if options.scenarios:
         chosen = [BY_NAME[n] for n in dict.fromkeys(options.scenarios)]
-        refused = [
-            (s.name, why) for s in chosen for ok, why in [s.runs_in(mode, hooks, options.tool)] if not ok
-        ]
+        allowed = {s.name: s.runs_in(mode, hooks, options.tool) for s in chosen}
+        refused = [f"{name} {why}" for name, (ok, why) in allowed.items() if not ok]
         if refused:
-            detail = "; ".join(f"{name} {why}" for name, why in refused)
-            raise UsageError(f"with --fault-mode {mode}: {detail}")
+            raise UsageError(f"with --fault-mode {mode}: {'; '.join(refused)}")
     else:
         chosen = [s for s in SCENARIOS if s.runs_in(mode, hooks, options.tool)[0]]
     if not chosen:
