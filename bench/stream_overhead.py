@@ -342,6 +342,30 @@ def start_gateway(listen: int, upstream: int, etcd: str, work: Path) -> Child:
     return child
 
 
+def start_floor(envoy: str, listen: int, upstream: int, work: Path) -> tuple[Child, Child]:
+    """Envoy with the gateway's own config, its ext_proc pointed at `lean_extproc.py` (the gRPC floor)."""
+    socket_path = work / "lean.sock"
+    lean = Child(
+        "lean-extproc",
+        [sys.executable, str(BENCH_DIR / "lean_extproc.py"), "--bind", f"unix:{socket_path}"],
+        log_path=work / "lean-extproc.log",
+    )
+    wait_until(socket_path.exists, timeout=30, what="lean ext_proc ready", child=lean)
+    spec = GatewaySpec(
+        listen=Endpoint(HOST, listen),
+        replicas=(Endpoint(HOST, upstream),),
+        sidecar_socket=socket_path,
+        access_log_path=work / "floor-access.log",
+        admin_socket=work / "floor-admin.sock",
+        policy=load_policy(None),
+    )
+    config_path = work / "floor-envoy.yaml"
+    config_path.write_text(render(spec))
+    floor = start_envoy(envoy, config_path, name="floor-envoy", log_path=work / "floor-envoy.log")
+    wait_until(lambda: envoy_ready(spec.admin_socket), timeout=30, what="floor envoy ready", child=floor)
+    return lean, floor
+
+
 def _kill_if_envoy(pid: int | None) -> None:
     """The gateway stops its Envoy itself; this only catches an Envoy orphaned by a gateway that died."""
     if pid is None:
@@ -487,8 +511,26 @@ def table(phase: str, summaries: dict[str, dict[str, Any]], desc: str) -> str:
         _line("chunks per sidecar CPU-s", "-", _num(g["chunks_per_sidecar_cpu_second"], 0)),
         _line("chunks received", _count(p), _count(g)),
     ]
-    for name, s in (("plain", p), ("gateway", g)):
-        for err in s["errors"][:3]:
+    f = summaries.get("floor")
+    if f is not None:
+        # The same Envoy config and gRPC server with a servicer that only passes messages on: the part of the
+        # sidecar's cost that is gRPC's, not the sidecar's decisions.
+        f_cpu = f["cpu_us_per_chunk"].get("sidecar")
+        ratio = f"{g_cpu['sidecar'] / f_cpu:.1f}×" if f_cpu and g_cpu.get("sidecar") else "-"
+        lines += [
+            _line("floor: lean ext_proc", "p50 (ms)", "p99 (ms)", "µs/chunk", "per CPU-s"),
+            _line(
+                "",
+                _ms(f["latency_ns"]["p50"]),
+                _ms(f["latency_ns"]["p99"]),
+                _num(f_cpu),
+                _num(f["chunks_per_sidecar_cpu_second"], 0),
+            ),
+            _line("sidecar CPU / floor CPU", "", "", ratio),
+            _line("chunks received (floor)", _count(f)),
+        ]
+    for name, summary in summaries.items():
+        for err in summary["errors"][:3]:
             lines.append(f"  ! {name}: {err}")
     return "\n".join(lines)
 
@@ -525,6 +567,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup-chunks", type=int, default=200, help="chunks of the unmeasured first stream"
     )
     parser.add_argument("--json", type=Path, help="write the raw numbers (every per-chunk latency) here")
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the third setup: the same Envoy config with a lean pass-through ext_proc (the gRPC floor)",
+    )
     parser.add_argument(
         "--work-dir", type=Path, help="keep configs and logs here (default: temp dir, removed)"
     )
@@ -615,8 +663,17 @@ def _run(
         Setup("plain", plain_port, plain.pid),
         Setup("gateway", gateway_port, gateway_envoy[0], gateway.pid),
     ]
+    ours_extra: list[int] = []
+    if args.floor:
+        floor_port = free_port(HOST)
+        lean, floor_envoy = start_floor(envoy, floor_port, upstream_port, work)
+        stack.callback(lean.stop)
+        stack.callback(floor_envoy.stop)
+        setups.append(Setup("floor", floor_port, floor_envoy.pid, lean.pid))
+        ours_extra = [lean.pid, floor_envoy.pid]
     print(
-        f"measuring: upstream :{upstream_port}, plain envoy :{plain_port}, gateway :{gateway_port}",
+        f"measuring: upstream :{upstream_port}, plain envoy :{plain_port}, gateway :{gateway_port}"
+        + (f", floor :{setups[-1].port}" if args.floor else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -625,7 +682,7 @@ def _run(
     before = cpu_seconds(gateway.pid)
     time.sleep(IDLE_SECONDS)
     sidecar_idle = (cpu_seconds(gateway.pid) - before) / IDLE_SECONDS
-    ours = [upstream.pid, etcd.pid, plain.pid, gateway.pid, gateway_envoy[0], os.getpid()]
+    ours = [upstream.pid, etcd.pid, plain.pid, gateway.pid, gateway_envoy[0], os.getpid(), *ours_extra]
     busy_before, ours_before, t0 = machine_busy_seconds(), sum(map(cpu_seconds, ours)), time.monotonic()
     phases = _run_async(run_load(setups, args))
     others = machine_busy_seconds() - busy_before - (sum(map(cpu_seconds, ours)) - ours_before)

@@ -110,3 +110,27 @@ def test_percentile_interpolates() -> None:
     assert stream_overhead.percentile([], 50) is None
     assert stream_overhead.percentile([1, 2, 3, 4], 50) == 2.5
     assert stream_overhead.percentile([5], 99) == 5
+
+
+def test_table_compares_the_sidecar_with_the_lean_floor() -> None:
+    def setup(name: str, latency_ms: float, cpu: dict[str, float]) -> stream_overhead.Setup:
+        s = stream_overhead.Setup(name, 1, 2, 3 if "sidecar" in cpu else None)
+        s.streams = [
+            stream_overhead.StreamResult(
+                sent_ns=0, first_content_ns=1_000_000, latencies_ns=[int(latency_ms * 1e6)] * 1000, done=True
+            )
+        ]
+        s.cpu = cpu
+        return s
+
+    summaries = {
+        "plain": stream_overhead.summarize(setup("plain", 0.1, {"envoy": 0.05}), 1000),
+        "gateway": stream_overhead.summarize(setup("gateway", 0.5, {"envoy": 0.1, "sidecar": 0.12}), 1000),
+        "floor": stream_overhead.summarize(setup("floor", 0.4, {"envoy": 0.1, "sidecar": 0.1}), 1000),
+    }
+    lines = stream_overhead.table("sequential", summaries, "1 stream").splitlines()
+    assert lines[-3].split() == ["0.400", "0.400", "100.0", "10000"]  # p50, p99, µs/chunk, chunks/CPU-s
+    assert lines[-2].split() == ["sidecar", "CPU", "/", "floor", "CPU", "1.2×"]
+    assert "1000/1000" in lines[-1]
+    without = {k: v for k, v in summaries.items() if k != "floor"}
+    assert not any("floor" in line for line in stream_overhead.table("s", without, "d").splitlines())
