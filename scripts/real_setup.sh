@@ -48,3 +48,6 @@ else
   echo "$model_want" > "$model_stamp"
   echo "real-setup: built $MODEL"
 fi
+
+# The SGLang part of the tier: its own venv, serving the same tiny model.
+bash scripts/real_setup_sglang.sh
