@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
@@ -43,15 +44,19 @@ class LivenessMonitor:
         *,
         static: tuple[str, ...] = (),
         probe_interval: float = 1.0,
+        probe_timeout: float | None = None,
         probe_failures: int = 2,
     ) -> None:
         self._registry = registry
         self._static_failures = dict.fromkeys(static, 0)  # static replica → failed probes in a row
         self._probe_interval = probe_interval
+        self._probe_timeout = probe_interval if probe_timeout is None else probe_timeout
         self._probe_failures = probe_failures
         self.replicas: dict[str, Replica] = {}
         self._ever_registered: set[str] = set()
-        self._watchers: dict[str, set[LossCallback]] = {}
+        # replica → {callback: when it subscribed (monotonic)}: a probe's verdict applies to the attempts
+        # that were already there when the probe started.
+        self._watchers: dict[str, dict[LossCallback, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self.changed = (
@@ -88,18 +93,22 @@ class LivenessMonitor:
         return address in self._ever_registered
 
     def on_loss(self, address: str, callback: LossCallback) -> Callable[[], None]:
-        """Call `callback(cause)` once if this replica is lost (at once if it is lost already); returns the
-        function that unsubscribes."""
-        if self.state(address) is Liveness.LOST:
-            cause = HEARTBEAT_LAPSED if address in self._ever_registered else HEALTH_CHECK_FAILED
-            asyncio.get_running_loop().create_task(callback(cause))
+        """Call `callback(cause)` once if this replica is lost; returns the function that unsubscribes.
+
+        A registered replica that is gone from the registry is lost already: at once. A static replica is
+        judged by the probes that start after the subscription: its failure count may be stale (it was down,
+        is back, and Envoy's own health check saw it first), and a healthy replica's new attempt must not
+        be fenced for what an earlier probe saw.
+        """
+        if address in self._ever_registered and address not in self.replicas:
+            asyncio.get_running_loop().create_task(callback(HEARTBEAT_LAPSED))
             return lambda: None
-        self._watchers.setdefault(address, set()).add(callback)
+        self._watchers.setdefault(address, {})[callback] = time.monotonic()
 
         def unsubscribe() -> None:
             watchers = self._watchers.get(address)
             if watchers is not None:
-                watchers.discard(callback)
+                watchers.pop(callback, None)
                 if not watchers:
                     self._watchers.pop(address, None)
 
@@ -117,26 +126,36 @@ class LivenessMonitor:
             for address in lost:
                 self._lost(address, HEARTBEAT_LAPSED)
 
-    def _lost(self, address: str, cause: str) -> None:
-        callbacks = self._watchers.pop(address, set())
-        log.warning("replica %s lost (%s): fencing %d attempt(s)", address, cause, len(callbacks))
+    def _lost(self, address: str, cause: str, *, subscribed_by: float | None = None) -> None:
+        """Fence the attempts on `address` (those that subscribed by `subscribed_by`, when given)."""
+        watchers = self._watchers.get(address, {})
+        callbacks = [c for c, at in watchers.items() if subscribed_by is None or at <= subscribed_by]
+        for callback in callbacks:
+            del watchers[callback]
+        if not watchers:
+            self._watchers.pop(address, None)
+        if callbacks or subscribed_by is None or self._static_failures.get(address) == self._probe_failures:
+            log.warning("replica %s lost (%s): fencing %d attempt(s)", address, cause, len(callbacks))
         for callback in callbacks:
             asyncio.get_running_loop().create_task(callback(cause))
 
     async def _probe_static(self) -> None:
         while True:
+            started = time.monotonic()
             results = await asyncio.gather(*(self._probe(a) for a in self._static_failures))
             for address, healthy in zip(self._static_failures, results, strict=True):
                 failures = 0 if healthy else self._static_failures[address] + 1
                 self._static_failures[address] = failures
-                if failures == self._probe_failures:
-                    self._lost(address, HEALTH_CHECK_FAILED)
+                if failures >= self._probe_failures:
+                    # Every failed probe past the threshold fences the attempts that were there when it
+                    # started: also those that came after the replica was first found lost.
+                    self._lost(address, HEALTH_CHECK_FAILED, subscribed_by=started)
             await asyncio.sleep(self._probe_interval)
 
     async def _probe(self, address: str) -> bool:
         host, port = split_hostport(address)
         try:
-            status, _ = await http_get(host, port, "/health", self._probe_interval)
+            status, _ = await http_get(host, port, "/health", self._probe_timeout)
         except (OSError, TimeoutError, EngineDown):
             return False
         return status == 200

@@ -387,8 +387,14 @@ class LivenessPolicy:
     )
     static_probe_interval_seconds: float = field(
         default=1.0,
+        metadata=_key("how often the sidecar probes each static replica's /health", lo=0.1, hi=60),
+    )
+    static_probe_timeout_seconds: float = field(
+        default=3.0,
         metadata=_key(
-            "how often the sidecar probes each static replica's /health (also its timeout)", lo=0.1, hi=60
+            "how long the sidecar and Envoy wait for a static replica's /health (SGLang answers after ~1 s)",
+            lo=0.1,
+            hi=60,
         ),
     )
     static_probe_failures: int = field(

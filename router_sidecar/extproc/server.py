@@ -114,6 +114,7 @@ class SidecarServer:
             ReplicaRegistry(store) if isinstance(store, EtcdStore) else None,
             static=static_replicas,
             probe_interval=policy.liveness.static_probe_interval_seconds,
+            probe_timeout=policy.liveness.static_probe_timeout_seconds,
             probe_failures=policy.liveness.static_probe_failures,
         )
         self.progress = ProgressMonitor(store, policy.liveness.progress_gap_seconds)

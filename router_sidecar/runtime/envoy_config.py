@@ -176,7 +176,7 @@ def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> Non
     interval = _seconds(policy.liveness.static_probe_interval_seconds)
     cluster["health_checks"] = [
         {
-            "timeout": interval,
+            "timeout": _seconds(policy.liveness.static_probe_timeout_seconds),
             "interval": interval,
             "no_traffic_interval": interval,
             "unhealthy_threshold": policy.liveness.static_probe_failures,
