@@ -91,6 +91,13 @@ def healthy_replicas(replicas: dict[str, VllmReplica]) -> dict[str, VllmReplica]
         replica.stop()
         replica.start(wait=False)
     for replica in dead:
-        took = replica.wait_ready(RESTART_TIMEOUT)
+        try:
+            took = replica.wait_ready(RESTART_TIMEOUT)
+        except (TimeoutError, RuntimeError) as exc:
+            # As at the tier's start: a starved machine can keep vLLM's engine workers from coming up.
+            print(f"\nreal_engine: {replica.name} did not restart ({str(exc)[:300]}); once more")
+            replica.stop()
+            replica.start(wait=False)
+            took = replica.wait_ready(RESTART_TIMEOUT)
         print(f"\nreal_engine: restarted replica {replica.name} in {took:.1f}s")
     return replicas
