@@ -27,11 +27,6 @@ INSTALL, SKIP_REASON = find_sglang_installation()
 START_TIMEOUT = 180.0  # two at once on 2 busy cores
 RESTART_TIMEOUT = 150.0
 
-# SGLang's /health answers after ≥ 1 s by design (it waits for a one-token generation); the gateway's probe
-# of static replicas times out after its interval, 1 s by default, so it never sees SGLang healthy (the
-# xfail test in test_sglang_gateway.py). The static gateway here probes every 3 s (and waits 3 s).
-STATIC_POLICY = "liveness:\n  static_probe_interval_seconds: 3\n"
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
@@ -70,9 +65,7 @@ def sglang_gateway(
     etcd: str, sglang_replicas: dict[str, SglangReplica], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
     work = tmp_path_factory.mktemp("gateway")
-    policy = work / "policy.yaml"
-    policy.write_text(STATIC_POLICY)
-    gw = Gateway(replicas=[r.endpoint for r in sglang_replicas.values()], etcd=etcd, work=work, config=policy)
+    gw = Gateway(replicas=[r.endpoint for r in sglang_replicas.values()], etcd=etcd, work=work)
     try:
         yield gw
     finally:
