@@ -78,6 +78,12 @@ class LivenessMonitor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    @property
+    def routable(self) -> dict[str, Replica]:
+        """The registered replicas a new attempt may go to: not those draining (their attempts in flight
+        finish there; they are not lost)."""
+        return {address: r for address, r in self.replicas.items() if not r.draining}
+
     def state(self, address: str) -> Liveness:
         if address in self.replicas:
             return Liveness.HEALTHY

@@ -77,9 +77,12 @@ class Replica:
     agent_id: str
     lease_id: int = 0
     mod_revision: int = 0
+    # The engine drains (SIGTERM): no new attempt goes there, the ones in flight finish. Still registered,
+    # so its attempts are not lost; gone from the registry when the engine stops (or the drain runs out).
+    draining: bool = False
 
     def to_value(self) -> bytes:
-        doc = {
+        doc: dict[str, object] = {
             "address": self.address,
             "fingerprint": self.fingerprint.to_mapping(),
             "digest": self.digest,
@@ -87,6 +90,8 @@ class Replica:
             "registered_at": self.registered_at,
             "agent_id": self.agent_id,
         }
+        if self.draining:  # absent otherwise: a value an older gateway reads exactly as before
+            doc["draining"] = True
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -100,11 +105,16 @@ class Replica:
             digest=doc["digest"],
             engine_name=engine.get("name"),
             engine_version=engine.get("version"),
-            engine=EngineInfo(root=engine.get("root"), max_model_len=engine.get("max_model_len")),
+            engine=EngineInfo(
+                root=engine.get("root"),
+                max_model_len=engine.get("max_model_len"),
+                model_type=engine.get("model_type"),
+            ),
             registered_at=float(doc["registered_at"]),
             agent_id=doc["agent_id"],
             lease_id=lease_id,
             mod_revision=mod_revision,
+            draining=doc.get("draining") is True,
         )
 
     def same_content(self, other: Replica) -> bool:

@@ -103,7 +103,7 @@ class EndpointDiscovery:
                 changed = self._liveness.changed
                 version += 1
                 resource = any_pb2.Any(
-                    type_url=CLA_TYPE, value=load_assignment(self._liveness.replicas).SerializeToString()
+                    type_url=CLA_TYPE, value=load_assignment(self._liveness.routable).SerializeToString()
                 )
                 await context.write(
                     discovery_pb2.DiscoveryResponse(

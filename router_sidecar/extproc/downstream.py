@@ -183,9 +183,9 @@ class Inference(PassThrough):
         request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
         pin: Struct | None = None
         if services.discovery:
-            pinned = choose_pin(services.liveness.replicas, parsed.model)
+            pinned = choose_pin(services.liveness.routable, parsed.model)
             if pinned is None:
-                served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.replicas.values()})
+                served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.routable.values()})
                 if not served:
                     return _error(
                         503, "no_replica", "no healthy replica is registered; try again later", request_id
@@ -335,7 +335,7 @@ class Inference(PassThrough):
         digest = request.fingerprint_digest
         if digest is None:
             return None
-        replicas = self._services.liveness.replicas
+        replicas = self._services.liveness.routable
         pinned = next((x for x in replicas.values() if x.digest == digest), None)
         if pinned is None:
             return f"no healthy replica with the pinned fingerprint {digest} is left"

@@ -297,7 +297,7 @@ class UpstreamStream:
         digest = request.fingerprint_digest
         if digest is None:
             return None
-        replicas = self._services.liveness.replicas
+        replicas = self._services.liveness.routable
         if compatible_alternatives(replicas, digest, exclude=attempt.replica) > 0:
             return None
         pinned = next((r for r in replicas.values() if r.digest == digest), None)

@@ -131,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(point --advertise at it)",
     )
     rp.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=60.0,
+        help="an engine that answers /health 503 but still serves (draining) stays registered, marked "
+        "draining (no new requests; those in flight finish), at most this long (default 60)",
+    )
+    rp.add_argument(
         "--fence-margin",
         type=float,
         default=0.5,

@@ -9,9 +9,10 @@ back is registered again with a fresh fingerprint (it may have been upgraded mea
 The engine is recognised by ``/v1/models`` (``owned_by``): vLLM (and anything else) reports its version on
 ``/version``; SGLang on ``/get_server_info``, its weights version and model on ``/get_model_info``. SGLang
 answers ``/health`` only after waiting a second for its scheduler to produce a token, so its health probe
-gets that much longer than the tick's timeout; while it drains after SIGTERM it answers ``/health`` with
-503 at once but still accepts new requests, so that 503 is what withdraws it (refused connections come
-only seconds later, when it exits).
+gets that much longer than the tick's timeout. While it drains after SIGTERM it answers ``/health`` with
+503 at once but still serves: a 503 from an engine whose ``/v1/models`` still answers keeps the
+registration, marked draining (gateways send it nothing new; the attempts in flight there are not lost and
+finish), for at most ``--drain-seconds``; it is withdrawn when the engine stops answering (it exits).
 
 Exit codes: 0 after SIGTERM/SIGINT (registration withdrawn first); 2 for configuration errors: etcd
 unreachable at start, invalid fingerprint file, file and engine disagreeing, ``--interval`` ≥ ``--ttl``.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -65,6 +67,10 @@ class ConfigError(Exception):
 SGLANG_HEALTH_ALLOWANCE = 2.0
 
 
+class EngineDraining(EngineDown):
+    """The engine says it is unhealthy (503) but still answers: it drains what it has and takes no more."""
+
+
 class EngineProbe:
     """The engine's OpenAI-compatible server, as seen by the agent."""
 
@@ -98,6 +104,13 @@ class EngineProbe:
             return self.timeout + SGLANG_HEALTH_ALLOWANCE
         return self.timeout
 
+    async def _still_serving(self) -> bool:
+        try:
+            status, _ = await self._get("/v1/models")
+        except EngineDown:
+            return False
+        return status == 200
+
     async def check(self, model_id: str | None) -> tuple[Fingerprint, EngineInfo]:
         """Health first (it is the engine's own readiness verdict), then what it says about itself."""
         try:
@@ -108,8 +121,10 @@ class EngineProbe:
 
     async def _check(self, model_id: str | None) -> tuple[Fingerprint, EngineInfo]:
         status, _ = await self._get("/health", self.health_timeout())
+        if status == 503 and await self._still_serving():
+            # SGLang draining after SIGTERM: 503 here while it still accepts and serves requests.
+            raise EngineDraining("GET /health: HTTP 503 while the server still answers: draining")
         if status != 200:
-            # Also SGLang draining after SIGTERM: 503 here while it still serves; withdrawn now, not at exit.
             raise EngineDown(f"GET /health: HTTP {status}")
         models = await self._json("/v1/models")
         self.kind = engine_kind(models) or "unnamed"
@@ -131,6 +146,7 @@ class AgentOptions:
     interval: float = 2.0
     front: str | None = None  # replica mode: own Envoy on this HOST:PORT with the replica-side fence
     fence_margin: float = 0.5
+    drain_seconds: float = 60.0  # a draining engine stays registered (as draining) at most this long
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentOptions:
@@ -143,6 +159,7 @@ class AgentOptions:
             interval=args.interval,
             front=getattr(args, "front", None),
             fence_margin=getattr(args, "fence_margin", 0.5),
+            drain_seconds=getattr(args, "drain_seconds", 60.0),
         )
 
     def validate(self) -> None:
@@ -166,6 +183,8 @@ class AgentOptions:
                 raise ConfigError(f"--fence-margin must be ≥ 0 and < 60 s, got {self.fence_margin:g}")
         if self.ttl < 1:
             raise ConfigError(f"--ttl must be ≥ 1 second, got {self.ttl}")
+        if not 0 <= self.drain_seconds <= 3600:
+            raise ConfigError(f"--drain-seconds must be 0..3600, got {self.drain_seconds:g}")
         if not 0 < self.interval < self.ttl:
             # The lease is refreshed once per interval: at or above the TTL it would lapse between
             # refreshes and the replica would flap in and out of the registry.
@@ -183,6 +202,7 @@ class ReplicaAgent:
             ReplicaRegistry(store), options.advertise, ttl=options.ttl, interval=options.interval
         )
         self._healthy: bool | None = None
+        self._draining_since: float | None = None  # monotonic: when the engine began to drain
         self._ready_printed = False
         self.front: Any = None  # replica mode: the `ReplicaFront`; its Envoy dead → withdrawn like the engine
 
@@ -194,12 +214,16 @@ class ReplicaAgent:
     async def tick(self) -> None:
         try:
             probed, info = await self._check()
+        except EngineDraining as exc:
+            await self._drain(exc)
+            return
         except EngineDown as exc:
             if self._healthy is not False:
                 log.warning("engine %s unhealthy (%s); withdrawing", self.options.engine, exc)
-            self._healthy = False
+            self._healthy, self._draining_since = False, None
             await self.heartbeat.withdraw()
             return
+        self._draining_since = None
         try:
             fingerprint = merge(self.declared, probed)
         except FingerprintError:
@@ -233,6 +257,29 @@ class ReplicaAgent:
                 log.warning("fingerprint fields neither in the file nor reported: %s", ", ".join(unknown))
         self._healthy = True
         await self.heartbeat.publish(replica)
+
+    async def _drain(self, why: EngineDraining) -> None:
+        """Keep the registration, marked draining: gateways send nothing new, the attempts in flight there
+        are not lost and finish. Withdrawn when the engine stops answering, or after --drain-seconds."""
+        registered = self.heartbeat.wanted
+        now = time.monotonic()
+        if self._draining_since is None:
+            self._draining_since = now
+            if registered is not None:
+                log.warning(
+                    "engine %s draining (%s): no new requests; those in flight finish (up to %gs)",
+                    self.options.engine,
+                    why,
+                    self.options.drain_seconds,
+                )
+        if registered is None or now - self._draining_since >= self.options.drain_seconds:
+            if self._healthy is not False:
+                log.warning("engine %s drained or not registered; withdrawing", self.options.engine)
+            self._healthy = False
+            await self.heartbeat.withdraw()
+            return
+        self._healthy = None  # neither: a healthy answer later logs it again
+        await self.heartbeat.publish(dataclasses.replace(registered, draining=True))
 
     def _report(self) -> None:
         if self.heartbeat.registered and not self._ready_printed:

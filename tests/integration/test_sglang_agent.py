@@ -127,27 +127,39 @@ def test_a_health_check_that_takes_a_second_keeps_it_registered(
     assert "unhealthy" not in agent.stderr()
 
 
-def test_draining_503_withdraws_at_once_while_it_still_serves(
+def test_draining_503_is_marked_draining_then_withdrawn_when_it_stops_answering(
     etcd: str, sglang: FakeSglang, agent: Agent
 ) -> None:
+    """SIGTERM: SGLang drains, /health 503 while its port still serves. The registration stays, marked
+    draining (gateways send nothing new there; the attempts in flight are not lost and finish); when the
+    engine stops answering it is withdrawn, lease revoked."""
     agent.wait_ready()
     lease = replicas(etcd)[sglang.endpoint].lease_id
-    sglang.draining = True  # SIGTERM: SGLang drains; its port keeps accepting (and serving) requests
-    withdrawn = wait_for(lambda: sglang.endpoint not in replicas(etcd), timeout=10, what="withdrawal")
-    print(f"\nSGLang draining (/health 503) → withdrawn after {withdrawn:.2f}s (interval {INTERVAL}s)")
-    # At most one health probe already under way (≤ 1 s with SGLang), then one interval.
-    assert withdrawn <= HEALTH_SECONDS + INTERVAL + SLACK
+    sglang.draining = True
+    marked = wait_for(
+        lambda: (r := replicas(etcd).get(sglang.endpoint)) is not None and r.draining,
+        timeout=10,
+        what="the registration marked draining",
+    )
+    print(f"\nSGLang draining (/health 503) → marked draining after {marked:.2f}s (interval {INTERVAL}s)")
+    assert marked <= HEALTH_SECONDS + INTERVAL + SLACK  # one probe under way (≤ 1 s), then one interval
+    assert replicas(etcd)[sglang.endpoint].lease_id == lease, "the same registration, not a new one"
+    assert "draining (GET /health: HTTP 503 while the server still answers" in agent.stderr()
+    assert agent.proc.poll() is None
+
+    sglang.draining, sglang.health_seconds = False, 30.0  # the drain is over: the engine no longer answers
+    withdrawn = wait_for(lambda: sglang.endpoint not in replicas(etcd), timeout=15, what="withdrawal")
+    print(f"engine gone → withdrawn after {withdrawn:.2f}s")
     # The key is deleted first, then the lease revoked: the second write may still be on its way.
     wait_for(
         lambda: lease_remaining(etcd, lease) == -1, timeout=2, what="the lease revoked, not left to expire"
     )
-    assert "GET /health: HTTP 503" in agent.stderr()
-    assert agent.proc.poll() is None
 
-    sglang.draining = False  # e.g. the pod's engine restarted on the same port
+    sglang.health_seconds = HEALTH_SECONDS  # e.g. restarted on the same port
     back = wait_for(lambda: sglang.endpoint in replicas(etcd), timeout=15, what="re-registration")
     print(f"healthy again → registered after {back:.2f}s")
-    assert replicas(etcd)[sglang.endpoint].lease_id != lease
+    registered = replicas(etcd)[sglang.endpoint]
+    assert registered.lease_id != lease and not registered.draining
 
 
 def test_a_frozen_sglang_is_withdrawn(etcd: str, sglang: FakeSglang, agent: Agent) -> None:

@@ -466,7 +466,7 @@ def test_envoy_stubs_talk_to_our_services(envoy: dict[str, ModuleType]) -> None:
 
     notes = _Notes()
     liveness = SimpleNamespace(
-        first_snapshot=None, changed=None, replicas={"127.0.0.1:9001": SimpleNamespace(digest="d9")}
+        first_snapshot=None, changed=None, routable={"127.0.0.1:9001": SimpleNamespace(digest="d9")}
     )
 
     async def run() -> None:

@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from router_sidecar.coordination.registry_store import ReplicaRegistry, open_store
+from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry, open_store
 from router_sidecar.runtime.supervise import Child, start_etcd
 from router_testbed.real_engine import SglangReplica
 from tests.harness import Gateway, poll
@@ -306,11 +306,11 @@ class ReplicaAgent:
         self.child.stop()
 
 
-def registered(etcd: str) -> set[str]:
-    async def read() -> set[str]:
+def registered(etcd: str) -> dict[str, Replica]:
+    async def read() -> dict[str, Replica]:
         store = open_store(etcd)
         try:
-            return set(await ReplicaRegistry(store).list_replicas())
+            return dict(await ReplicaRegistry(store).list_replicas())
         finally:
             await store.close()
 
@@ -391,17 +391,21 @@ def test_sigterm_drain_withdraws_the_replica_and_no_new_attempt_lands_on_it(
         # What SGLang does while draining: /health 503 at once, yet a new request is still served.
         status = httpx.get(f"{draining.url}/health", timeout=5).status_code
         direct = short_chat(draining.url, f"direct-{uuid.uuid4().hex[:12]}")
+        # Its agent keeps it registered, marked draining: no new attempt goes there, the one in flight is
+        # not lost.
         poll(
-            lambda: draining.endpoint not in registered(etcd),
+            lambda: (r := registered(etcd).get(draining.endpoint)) is not None and r.draining,
             timeout=10,
-            what="the draining replica withdrawn",
+            what="the draining replica marked draining",
         )
         withdrawn_at = time.monotonic()
         withdrawn_after = withdrawn_at - termed_at[0]
-        print(f"\nreal_engine: SGLang SIGTERM -> /health {status}, withdrawn after {withdrawn_after:.2f}s")
+        print(
+            f"\nreal_engine: SGLang SIGTERM -> /health {status}, marked draining after {withdrawn_after:.2f}s"
+        )
         assert status == 503
         assert direct.status_code == 200 and direct.json()["choices"][0]["finish_reason"] == "length"
-        assert "GET /health: HTTP 503" in agents[draining.name].out.read_text()
+        assert "GET /health: HTTP 503 while the server still answers" in agents[draining.name].out.read_text()
 
         # The gateway follows the registry: new requests all go to the other replica, none to the draining one
         # (which would still accept them). Envoy learns the new endpoints within a moment: ask until they do.
@@ -449,16 +453,9 @@ def test_sigterm_drain_withdraws_the_replica_and_no_new_attempt_lands_on_it(
 DRAIN_EVIDENCE: dict[str, Any] = {}  # what the drain test saw of the stream in flight on the draining replica
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A withdrawn replica is a lost one to the gateway (router_sidecar/coordination/liveness.py: "
-    "leaving the registry = heartbeat lapsed), so it fences the attempts in flight there: a stream that "
-    "SGLang's drain would have completed gets the terminal frame (interrupted, 'heartbeat lapsed'). Every "
-    "rolling restart cuts the streams in flight on the replicas it drains. Needs a registration state "
-    "'draining' (the agent keeps the lease and marks the record; the gateway sends no new attempt there but "
-    "lets in-flight ones finish) in router_sidecar/coordination/registry_store.py and liveness.py",
-)
 def test_a_stream_in_flight_on_a_draining_replica_completes() -> None:
+    """A draining replica is not a lost one: its agent marks it draining, the gateway sends it nothing new
+    and lets the stream in flight there finish (a rolling restart cuts no stream)."""
     if not DRAIN_EVIDENCE:
         pytest.skip("the drain test did not run to its end")
     if DRAIN_EVIDENCE["phase"] == "completed" and not DRAIN_EVIDENCE["ended_after"]:
