@@ -805,6 +805,27 @@ _SGLANG_CAPTURE_BATCH_SIZES = [
 ]
 
 
+def sglang_server_info_body(model: str) -> bytes:
+    """``GET /get_server_info``: the fields of it the replica agent reads (not in the recorded transcripts;
+    the real server's answer carries these among its server arguments, values as the CPU launch sets them)."""
+    info: JSONDict = {
+        "model_path": model,
+        "version": "0.5.23",
+        "weight_version": "default",
+        "revision": None,
+        "quantization": None,
+        "attention_backend": "torch_native",
+        "prefill_attention_backend": None,
+        "decode_attention_backend": None,
+        "kv_cache_dtype": "auto",
+        "page_size": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "dp_size": 1,
+    }
+    return json.dumps(info).encode()
+
+
 def sglang_model_info_body(model: str) -> bytes:
     """``GET /get_model_info`` of a plain Llama generation model (get_model_info.txt)."""
     embedding: JSONDict = {
@@ -940,7 +961,9 @@ class SglangDialect(Dialect):
     abort_carries_token = False  # /abort_request ends with a finish-only event (abort_request_midstream.txt)
     continuous_usage = False
     transfer_encoding_header = "Transfer-Encoding"
-    info_paths = frozenset({"/health", "/health_generate", "/v1/models", "/get_model_info"})
+    info_paths = frozenset(
+        {"/health", "/health_generate", "/v1/models", "/get_model_info", "/get_server_info"}
+    )
 
     def new_id(self, req: GenRequest) -> str:
         # The body's rid is the id; x-request-id is never used.
@@ -986,6 +1009,8 @@ class SglangDialect(Dialect):
             return InfoReply(sglang_models_body(model, created, max_model_len))
         if path == "/get_model_info":
             return InfoReply(sglang_model_info_body(model))
+        if path == "/get_server_info":
+            return InfoReply(sglang_server_info_body(model))
         return InfoReply(b"", None)  # /health, /health_generate: 200, empty body
 
 

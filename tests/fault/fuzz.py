@@ -69,6 +69,7 @@ from tests.invariants import (
 )
 
 REPLICA_NAMES = ("a", "b", "c")
+DIALECTS = {"a": "vllm", "b": "sglang", "c": "vllm"}  # what each simulated replica speaks
 LEASE_TTL = 2
 AGENT_TTL = 2
 AGENT_INTERVAL = 0.3
@@ -285,7 +286,14 @@ class Environment:
         self.etcd = RestartableEtcd(work)
         try:
             for name in REPLICA_NAMES[:replicas]:
-                self.sims[name] = Sim(name, work, prefill_delay=0.02, token_interval=0.005)
+                # Both engines' dialects in every trial: a retry may land on the other (a mixed fleet).
+                self.sims[name] = Sim(
+                    name,
+                    work,
+                    prefill_delay=0.02,
+                    token_interval=0.005,
+                    extra_args=("--dialect", DIALECTS[name]),
+                )
             for name, sim in self.sims.items():
                 self.agents[name] = Agent(
                     sim, self.etcd.endpoint, work, ttl=AGENT_TTL, interval=AGENT_INTERVAL
