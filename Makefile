@@ -7,9 +7,10 @@ PYTEST := .venv/bin/pytest
 setup:
 	@bash scripts/setup.sh
 
-# `make demo REAL=1` runs the demo on real vLLM replicas (needs `make real-setup`).
+# `make demo REAL=1` runs the demo on real vLLM replicas, `make demo REAL=sglang` on real SGLang ones (both
+# need `make real-setup`).
 demo: setup
-	$(PY) -m router_sidecar demo $(if $(REAL),--real-vllm) $(DEMO_ARGS)
+	$(PY) -m router_sidecar demo $(if $(filter sglang,$(REAL)),--real-sglang,$(if $(REAL),--real-vllm)) $(DEMO_ARGS)
 
 test: setup
 	$(PYTEST) tests -q $(PYTEST_ARGS)

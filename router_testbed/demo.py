@@ -232,33 +232,45 @@ class Stack:
 
 # --------------------------------------------------------------------------- --real-vllm
 
-REAL_START_TIMEOUT = 120.0  # two replicas load at once on 2 cores
+REAL_START_TIMEOUT = 150.0  # two replicas load at once on 2 cores (SGLang: up to ~90 s on a busy one)
+
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 class RealStack(Stack):
-    """etcd, two real vLLM replicas (``router_testbed.real_engine``) and the gateway."""
+    """etcd, two real engine replicas (vLLM or SGLang, ``router_testbed.real_engine``) and the gateway."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, engine: str = "vllm") -> None:
         super().__init__(work, token_interval=0.0)
-        from router_testbed.real_engine import VllmReplica
+        from router_testbed.real_engine import EngineReplica
 
-        self.vllm: dict[str, VllmReplica] = {}
+        self.engine = engine
+        self.vllm: dict[str, EngineReplica] = {}
 
     def _start_replicas(self) -> None:
-        from router_testbed.real_engine import find_installation, start_replicas
+        from router_testbed import real_engine
 
-        install, why = find_installation()
+        if self.engine == "sglang":
+            install, why = real_engine.find_sglang_installation()
+            start = real_engine.start_sglang_replicas
+        else:
+            install, why = real_engine.find_installation()
+            start = real_engine.start_replicas  # type: ignore[assignment]
         if install is None:
             raise RuntimeError(why)
-        out(S.dim("  starting 2 vLLM replicas (tiny random-weight model, CPU): 25-60 s ..."))
-        self.vllm = start_replicas(list(REPLICA_NAMES), install, self.work, timeout=REAL_START_TIMEOUT)
+        name = ENGINE_NAMES[self.engine]
+        out(S.dim(f"  starting 2 {name} replicas (tiny random-weight model, CPU): 25-90 s ..."))
+        self.vllm = dict(start(list(REPLICA_NAMES), install, self.work, timeout=REAL_START_TIMEOUT))
 
     def replica_addresses(self) -> dict[str, str]:
         return {name: r.endpoint for name, r in self.vllm.items()}
 
     def describe_replicas(self) -> str:
+        engine = ENGINE_NAMES[self.engine]
         return ", ".join(
-            f"{n} vLLM {r.endpoint} (pid {r.pid}, ready in {r.started_in:.0f}s)" for n, r in self.vllm.items()
+            f"{n} {engine} {r.endpoint} (pid {r.pid}, ready in {r.started_in:.0f}s)"
+            for n, r in self.vllm.items()
         )
 
     def signal_replica(self, address: str, sig: int) -> tuple[int, str]:
@@ -346,17 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast", action="store_true", help=f"token interval {FAST_TOKEN_INTERVAL}s (for tests)"
     )
-    parser.add_argument(
+    real = parser.add_mutually_exclusive_group()
+    real.add_argument(
         "--real-vllm",
         action="store_true",
         help="real vLLM replicas (tiny local model, CPU; needs `make real-setup`) instead of the simulator",
     )
+    real.add_argument(
+        "--real-sglang",
+        action="store_true",
+        help="real SGLang replicas (tiny local model, CPU; needs `make real-setup`) instead of the simulator",
+    )
     args = parser.parse_args(argv)
+    args.real = args.real_vllm or args.real_sglang
     work = Path(tempfile.mkdtemp(prefix="router-sidecar-demo-"))
     stack: Stack
-    if args.real_vllm:
-        stack = RealStack(work)
-        what = "etcd + 2 real vLLM replicas + Envoy, faults by hooks on the replicas' processes"
+    if args.real:
+        engine = "sglang" if args.real_sglang else "vllm"
+        stack = RealStack(work, engine)
+        what = f"etcd + 2 real {ENGINE_NAMES[engine]} replicas + Envoy, faults by hooks on their processes"
     else:
         stack = Stack(work, token_interval=FAST_TOKEN_INTERVAL if args.fast else TOKEN_INTERVAL)
         what = "etcd + 2 simulated replicas + Envoy, faults by the simulator's x-sim-fault header"
@@ -367,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             out(S.bold(f"router-sidecar demo: first-delta failover, on {what}"))
             stack.start()
             out()
-            options = _drill_options(stack, work, real=args.real_vllm)
-            # A killed vLLM takes 30+ s to come back and the kill runs last: nothing to restart for.
-            between = None if args.real_vllm else stack.between_scenarios
+            options = _drill_options(stack, work, real=args.real)
+            # A killed engine takes 30+ s to come back and the kill runs last: nothing to restart for.
+            between = None if args.real else stack.between_scenarios
             code = run(options, between=between)
             ran = True
             stack.check_gateway()
