@@ -311,6 +311,7 @@ class Setup:
     sidecar_pid: int | None = None
     streams: list[StreamResult] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds spent during its streams
+    wall: float = 0.0  # seconds its measured streams took
 
     def pids(self) -> dict[str, int]:
         pids = {"envoy": self.envoy_pid}
@@ -384,7 +385,9 @@ def _stream_timeout(chunks: int, interval: float) -> float:
 
 async def _measured(setup: Setup, run: Callable[[], Awaitable[list[StreamResult]]]) -> list[StreamResult]:
     before = {k: cpu_seconds(p) for k, p in setup.pids().items()}
+    started = time.monotonic()
     out = await run()
+    setup.wall += time.monotonic() - started
     for k, p in setup.pids().items():
         setup.cpu[k] = setup.cpu.get(k, 0.0) + cpu_seconds(p) - before[k]
     return out
@@ -399,7 +402,8 @@ async def run_load(setups: list[Setup], args: argparse.Namespace) -> dict[str, l
     interval = args.interval_ms / 1000
     timeout = _stream_timeout(args.chunks, interval)
     warm_timeout = _stream_timeout(args.warmup_chunks, interval)
-    clients = {s.name: [Client(s.port) for _ in range(args.concurrency)] for s in setups}
+    width = max([args.concurrency, *args.curve])
+    clients = {s.name: [Client(s.port) for _ in range(width)] for s in setups}
 
     async def warm_up(s: Setup, width: int) -> None:
         # Unmeasured: opens the client and Envoy's upstream connections, and pays the sidecar's and
@@ -422,9 +426,24 @@ async def run_load(setups: list[Setup], args: argparse.Namespace) -> dict[str, l
             for s in setups:
                 await warm_up(s, args.concurrency)
             for s in phases["concurrent"]:
-                results = await _measured(s, lambda s=s: _parallel(clients[s.name], args.chunks, timeout))
+                results = await _measured(
+                    s, lambda s=s: _parallel(clients[s.name][: args.concurrency], args.chunks, timeout)
+                )
                 s.streams += results
                 _progress(f"concurrent ×{args.concurrency} {s.name}", results)
+        curve_timeout = _stream_timeout(args.curve_chunks, interval) * 2  # queues build up at width 100
+        for n in args.curve:
+            phase = phases[f"curve ×{n}"] = [
+                Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups
+            ]
+            for s in setups:
+                await warm_up(s, n)
+            for s in phase:
+                results = await _measured(
+                    s, lambda s=s, n=n: _parallel(clients[s.name][:n], args.curve_chunks, curve_timeout)
+                )
+                s.streams += results
+                _progress(f"curve ×{n} {s.name}", results)
         return phases
     finally:
         for cs in clients.values():
@@ -478,6 +497,10 @@ def summarize(setup: Setup, chunks_per_stream: int) -> dict[str, Any]:
     }
     sidecar = setup.cpu.get("sidecar")
     out["chunks_per_sidecar_cpu_second"] = received / sidecar if sidecar else None
+    out["wall_seconds"] = setup.wall
+    out["chunks_per_second"] = received / setup.wall if setup.wall else None
+    # How busy the sidecar (or the lean servicer) was: 1.0 is one core, its ceiling (one event loop).
+    out["sidecar_cpu_utilisation"] = sidecar / setup.wall if sidecar and setup.wall else None
     return out
 
 
@@ -535,6 +558,36 @@ def table(phase: str, summaries: dict[str, dict[str, Any]], desc: str) -> str:
     return "\n".join(lines)
 
 
+def curve_table(rows: dict[int, dict[str, dict[str, Any]]], chunks: int, interval_ms: float) -> str:
+    """One line per width: latency, the sidecar's (and the floor's) CPU per chunk and how busy it was, and
+    the chunks per second that got through; the width where that stops growing is where it saturates."""
+    lines = [
+        f"scale curve: N streams at once × {chunks} chunks, {interval_ms:g} ms apart",
+        f"{'N':>4}  {'plain p50/p99 ms':>17}  {'gateway p50/p99 ms':>19}  {'sidecar µs/chunk':>16}  "
+        f"{'busy':>5}  {'chunks/s':>8}  {'floor µs/chunk':>14}  {'busy':>5}",
+    ]
+    best: tuple[float, int] = (0.0, 0)
+    for n, by_setup in rows.items():
+        p, g, f = by_setup["plain"], by_setup["gateway"], by_setup.get("floor")
+        g_rate = g["chunks_per_second"] or 0.0
+        best = max(best, (g_rate, n))
+
+        def lat(s: dict[str, Any]) -> str:
+            return f"{_ms(s['latency_ns']['p50'])}/{_ms(s['latency_ns']['p99'])}"
+
+        def busy(s: dict[str, Any] | None) -> str:
+            u = s["sidecar_cpu_utilisation"] if s else None
+            return "-" if u is None else f"{u * 100:.0f}%"
+
+        f_cpu = f["cpu_us_per_chunk"].get("sidecar") if f else None
+        lines.append(
+            f"{n:>4}  {lat(p):>17}  {lat(g):>19}  {_num(g['cpu_us_per_chunk'].get('sidecar')):>16}  "
+            f"{busy(g):>5}  {_num(g_rate, 0):>8}  {_num(f_cpu):>14}  {busy(f):>5}"
+        )
+    lines.append(f"the gateway carried at most {best[0]:.0f} chunks/s (at N = {best[1]})")
+    return "\n".join(lines)
+
+
 def _num(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -550,6 +603,16 @@ def _envoy_version(envoy: str) -> str:
     out = subprocess.run([envoy, "--version"], capture_output=True, text=True, timeout=10).stdout
     match = re.search(r"/(\d+\.\d+\.\d+)/", out)
     return match.group(1) if match else "?"
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,10,50,100, got {text!r}") from None
+    if not widths or not all(1 <= w <= 1000 for w in widths):
+        raise argparse.ArgumentTypeError(f"each width must be 1..1000, got {text!r}")
+    return widths
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -568,6 +631,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="write the raw numbers (every per-chunk latency) here")
     parser.add_argument(
+        "--curve",
+        type=_widths,
+        default=(),
+        help="also a scale curve: these numbers of concurrent streams, e.g. 1,10,50,100",
+    )
+    parser.add_argument(
+        "--curve-chunks", type=int, default=500, help="content chunks per stream in the curve (default 500)"
+    )
+    parser.add_argument(
         "--no-floor",
         dest="floor",
         action="store_false",
@@ -577,7 +649,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--work-dir", type=Path, help="keep configs and logs here (default: temp dir, removed)"
     )
     args = parser.parse_args(argv)
-    for name in ("streams", "chunks", "concurrency", "warmup_chunks"):
+    for name in ("streams", "chunks", "concurrency", "warmup_chunks", "curve_chunks"):
         if not 1 <= getattr(args, name) <= 100_000:
             parser.error(f"--{name.replace('_', '-')} must be 1..100000")
     if not 0 <= args.interval_ms <= 1000:
@@ -722,10 +794,15 @@ def _report(
         "sequential": f"{args.streams} stream{'s' if args.streams != 1 else ''} one after another × {each}",
         "concurrent": f"{args.concurrency} streams at once × {each}",
     }
+    curve: dict[int, dict[str, dict[str, Any]]] = {}
     for phase, setups in phases.items():
-        summaries = {s.name: summarize(s, args.chunks) for s in setups}
-        print()
-        print(table(phase, summaries, descs[phase]))
+        if phase.startswith("curve ×"):
+            summaries = {s.name: summarize(s, args.curve_chunks) for s in setups}
+            curve[int(phase.removeprefix("curve ×"))] = summaries
+        else:
+            summaries = {s.name: summarize(s, args.chunks) for s in setups}
+            print()
+            print(table(phase, summaries, descs[phase]))
         raw["phases"][phase] = {
             s.name: summaries[s.name]
             | {
@@ -734,6 +811,9 @@ def _report(
             }
             for s in setups
         }
+    if curve:
+        print()
+        print(curve_table(curve, args.curve_chunks, args.interval_ms))
     if args.json:
         args.json.write_text(json.dumps(raw))
         print(f"\nraw numbers: {args.json}")

@@ -134,3 +134,22 @@ def test_table_compares_the_sidecar_with_the_lean_floor() -> None:
     assert "1000/1000" in lines[-1]
     without = {k: v for k, v in summaries.items() if k != "floor"}
     assert not any("floor" in line for line in stream_overhead.table("s", without, "d").splitlines())
+
+
+def test_scale_curve_rows_and_saturation() -> None:
+    def summary(p50_ms: float, cpu_us: float | None, rate: float, busy: float | None) -> dict[str, Any]:
+        return {
+            "latency_ns": {"p50": p50_ms * 1e6, "p99": 2 * p50_ms * 1e6},
+            "cpu_us_per_chunk": {} if cpu_us is None else {"sidecar": cpu_us},
+            "chunks_per_second": rate,
+            "sidecar_cpu_utilisation": busy,
+        }
+
+    rows = {
+        1: {"plain": summary(0.1, None, 900, None), "gateway": summary(0.4, 260, 800, 0.2)},
+        10: {"plain": summary(0.2, None, 9000, None), "gateway": summary(4, 110, 8000, 0.9)},
+    }
+    lines = stream_overhead.curve_table(rows, 500, 1.0).splitlines()
+    assert lines[2].split() == ["1", "0.100/0.200", "0.400/0.800", "260.0", "20%", "800", "-", "-"]
+    assert lines[-1] == "the gateway carried at most 8000 chunks/s (at N = 10)"
+    assert stream_overhead._widths("1,10,50") == (1, 10, 50)
