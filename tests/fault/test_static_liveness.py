@@ -59,6 +59,7 @@ class Reader:
         self.status = 0
         self.reached = threading.Event()
         self._after = after
+        self._gateway, self._key = gateway, key
         self._thread = threading.Thread(target=self._read, args=(gateway, key, fault))
         self._thread.start()
 
@@ -82,7 +83,14 @@ class Reader:
 
     def join(self, timeout: float) -> ClientResult:
         self._thread.join(timeout)
-        assert not self._thread.is_alive(), "the client got no end of its stream"
+        if self._thread.is_alive():
+            # What the gateway knew meanwhile: its journal record and its log (a hang must say where).
+            status, record = self._gateway.journal(self._key)
+            log = self._gateway.out_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(
+                f"the client got no end of its stream after {timeout:g}s; got {self.raw[-300:]!r}\n"
+                f"journal ({status}): {json.dumps(record)[:3000]}\ngateway log:\n{log}"
+            )
         return self.result()
 
 
