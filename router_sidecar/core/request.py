@@ -303,9 +303,14 @@ class LogicalRequest:
         last = self.gate.attempts[-1] if self.gate.attempts else None
         released = last is not None and last.state in (AttemptState.RELEASED, AttemptState.PASSED_THROUGH)
         from_replica = e.details in ("via_upstream", "")  # "": Envoy did not say; trust the release
-        if released and not from_replica and last is not None and last.state is AttemptState.RELEASED:
-            # We released it, but the replica reset before the release reached Envoy's router, which then
-            # answered itself: nothing of that attempt reached the client.
+        if (
+            not from_replica
+            and last is not None
+            and last.state in (AttemptState.RELEASED, AttemptState.WRITING_AHEAD)
+        ):
+            # We released it (or were about to), but the replica reset before the release reached Envoy's
+            # router, which then answered itself: nothing of that attempt reached the client, and a
+            # write-ahead finishing now must not release it (first_delta_sent stays false).
             last.handle(Superseded())  # its lease is released when the request settles
             released = False
         if self.is_terminal and self.gate.final is not None and not from_replica:

@@ -775,6 +775,27 @@ def test_released_attempt_whose_release_never_reached_the_client() -> None:
     ]
 
 
+def test_attempt_writing_ahead_when_envoy_answered_itself_is_never_released() -> None:
+    # The replica reset while the write-ahead of its first delta was under way (seen in CI's fault suite):
+    # Envoy answered the client itself. The write-ahead finishing afterwards must not release that attempt,
+    # or the journal would say first_delta_sent although the client got only the JSON error.
+    request = new_request()
+    begin(request, "att-1", "r1")
+    attempt = request.attempts[0]
+    assert attempt.handle(ResponseHeaders(200, SSE)) == []
+    assert attempt.handle(ResponseBody(ROLE + C1, False)) == [WriteAhead()]
+    assert request.first_delta_sent is True  # the write-ahead says it may have been delivered
+    request.drain_events()
+    details = "upstream_reset_before_response_started{protocol_error}"
+    decision = request.handle(ResponseStarted(502, "text/plain", frozenset({"UPE", "URX"}), details))
+    assert isinstance(decision, ReplaceResponse)
+    assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    assert (request.first_delta_sent, request.phase) == (False, Phase.FAILED)
+    # The shell feeds WriteAheadDone only to an attempt still writing ahead: this one no longer is.
+    assert attempt.state is not AttemptState.WRITING_AHEAD
+    assert views.journal_view(request)["first_delta_sent"] is False
+
+
 def test_passed_through_4xx_is_forwarded_as_is() -> None:
     request = new_request()
     attempt = begin(request)
