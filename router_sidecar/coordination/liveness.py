@@ -148,9 +148,12 @@ class LivenessMonitor:
     async def _probe_static(self) -> None:
         while True:
             started = time.monotonic()
-            results = await asyncio.gather(*(self._probe(a) for a in self._static_failures))
-            for address, healthy in zip(self._static_failures, results, strict=True):
-                failures = 0 if healthy else self._static_failures[address] + 1
+            # Whatever a replica answers (or raises), the loop goes on: it is the static replicas' only fence.
+            results = await asyncio.gather(
+                *(self._probe(a) for a in self._static_failures), return_exceptions=True
+            )
+            for address, result in zip(self._static_failures, results, strict=True):
+                failures = 0 if result is True else self._static_failures[address] + 1
                 self._static_failures[address] = failures
                 if failures >= self._probe_failures:
                     # Every failed probe past the threshold fences the attempts that were there when it
@@ -162,6 +165,6 @@ class LivenessMonitor:
         host, port = split_hostport(address)
         try:
             status, _ = await http_get(host, port, "/health", self._probe_timeout)
-        except (OSError, TimeoutError, EngineDown):
-            return False
+        except (OSError, TimeoutError, EngineDown, ValueError):
+            return False  # ValueError: an answer that is not HTTP (a broken chunked body, say)
         return status == 200

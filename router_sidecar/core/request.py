@@ -187,8 +187,9 @@ class _Response:
     content_events: int = 0
     usage_tokens: int | None = None
     ended: bool = False
-    # The released attempt was lost before its first content passed here: the stream ends right after it.
-    publisher_lost: str | None = None
+    # (attempt number, why) of a publishing attempt found lost: before its first content passed here the
+    # stream ends right after the chunk that brings it (a later attempt is not concerned).
+    publisher_lost: tuple[int, str] | None = None
     finish_reason: str | None = None  # the last one forwarded (the journal and spans report it)
 
 
@@ -394,8 +395,9 @@ class LogicalRequest:
                     self._count(event)
                     return self._terminate(events[: index + 1], "finish_reason abort after the first delta")
             self._count(event)
-        if r.publisher_lost is not None and self.phase is Phase.DECODE:
-            return self._terminate(events, r.publisher_lost)
+        lost = r.publisher_lost
+        if lost is not None and self.phase is Phase.DECODE and self._noted_publisher(lost[0]):
+            return self._terminate(events, lost[1])
         if r.scanner.oversized:
             limit = self.policy.limits.max_event_bytes
             return self._terminate(
@@ -440,17 +442,22 @@ class LogicalRequest:
     def _publisher_lost(self, e: PublisherLost) -> Decision:
         r = self._response
         publisher = self.publisher
-        if self.is_terminal or r.ended or r.publisher_lost is not None or publisher is None:
+        if self.is_terminal or r.ended or publisher is None:
             return NO_ACTION  # before any release the upstream placement answers for the attempt
-        self._emit(EventName.REPLICA_LOST, publisher.number, cause=e.cause)
-        why = _PUBLISHER_LOST.get(e.cause, e.cause)
+        noted = r.publisher_lost
+        if noted is None or noted[0] != publisher.number:
+            self._emit(EventName.REPLICA_LOST, publisher.number, cause=e.cause)
+            noted = r.publisher_lost = (publisher.number, _PUBLISHER_LOST.get(e.cause, e.cause))
         if self.phase is Phase.PREFILL:
             # Released, but its first content has not passed here yet: it is on its way through Envoy (its
             # response headers may not even have reached this filter, so nothing can be written to the
             # client now). The stream ends right after the chunk that brings it.
-            r.publisher_lost = why
             return NO_ACTION
-        return self._terminate([], why)
+        return self._terminate([], noted[1])
+
+    def _noted_publisher(self, number: int) -> bool:
+        publisher = self.publisher
+        return publisher is not None and publisher.number == number
 
     def _deadline(self) -> Decision:
         if self.is_terminal or self._response.ended:

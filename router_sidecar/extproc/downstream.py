@@ -206,6 +206,12 @@ class Inference(PassThrough):
         logs.bind(request_id=request_id)
         try:
             await services.journal.claim(request)
+        except asyncio.CancelledError:
+            # The client left (Envoy cancelled the stream) during the claim: nothing will settle this request.
+            services.registry.remove(live)
+            services.telemetry.forget(request)
+            services.journal.release(request)
+            raise
         except ClaimConflict as conflict:
             services.registry.remove(live)
             if conflict.in_flight:

@@ -3,8 +3,8 @@
 The journal drains every request's events (stamped with the wall clock) and hands them here as well: a span
 per logical request, a child span per attempt, span events for what happened to each, and the metrics. Nothing
 here decides anything, and nothing runs per chunk: a request's events are a handful, drained when the shells
-already touch the journal. Metric labels are bounded (phase, outcome, reason, proof, code, model name from
-the policy's known set or the client's string truncated); no request ids on metrics.
+already touch the journal. Metric labels are bounded (phase, outcome, reason, proof, code; the model name
+cut to 64 characters, the first 32 names seen, then "other"); no request ids on metrics.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ class Telemetry:
         self.extproc_busy = meter.create_counter(
             _NS + "extproc.busy_time",
             unit="s",
-            description="Sidecar time spent handling ext_proc messages, by placement "
-            "(divide by extproc.messages for the time per message)",
+            description="Time from receiving an ext_proc message to replying to it, awaits included, by "
+            "placement (divide by extproc.messages for the time per message)",
         )
 
     # --- what the shells tell us -------------------------------------------------------------------------
@@ -318,14 +318,15 @@ class Telemetry:
         attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": self._model_label(request)}
         span = None
         if self._tracer is not None:
+            model = (request.parsed.model or "")[:MAX_MODEL_LABEL]  # a client's string: bounded
             span = self._tracer.start_span(
-                f"{operation} {request.parsed.model}",
+                f"{operation} {model}",
                 context=self._parents.get(request),
                 kind=SpanKind.SERVER,
                 start_time=_ns(at),
                 attributes={
                     **attributes,
-                    "gen_ai.request.model": request.parsed.model or "",
+                    "gen_ai.request.model": model,
                     _NS + "request_id": request.request_id,
                     _NS + "stream": bool(request.parsed.stream),
                     _NS + "estimated_prompt_tokens": request.parsed.estimated_prompt_tokens,

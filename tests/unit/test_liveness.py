@@ -141,3 +141,31 @@ def test_a_registered_replica_gone_from_the_registry_is_lost_at_once() -> None:
         await until(lambda: seen == [HEARTBEAT_LAPSED])
 
     asyncio.run(go())
+
+
+def test_a_probe_that_raises_counts_as_failed_and_the_probing_goes_on() -> None:
+    """A hostile /health (a broken chunked body raises ValueError deep in the parser) must not end the loop
+    that is the static replicas' only fence."""
+
+    async def go() -> None:
+        m = LivenessMonitor(
+            None, static=(REPLICA,), probe_interval=0.001, probe_timeout=0.001, probe_failures=2
+        )
+        calls = 0
+
+        async def probe(address: str) -> bool:
+            nonlocal calls
+            calls += 1
+            raise ValueError("invalid chunk size")
+
+        m._probe = probe  # type: ignore[method-assign]
+        seen: list[str] = []
+        m.on_loss(REPLICA, watcher(seen))
+        m.start()
+        try:
+            await until(lambda: seen == [HEALTH_CHECK_FAILED] and calls >= 4)
+            assert m.state(REPLICA) is Liveness.LOST
+        finally:
+            await m.stop()
+
+    asyncio.run(go())

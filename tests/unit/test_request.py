@@ -932,6 +932,22 @@ def test_publisher_lost_while_its_release_is_on_its_way(headers_first: bool) -> 
     assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == Forward(b"", True)
 
 
+def test_a_loss_noted_for_one_attempt_never_ends_a_later_attempts_stream() -> None:
+    """Attempt 1 released, then lost before its content passed here; Envoy retried anyway (the release never
+    reached its router): attempt 2 publishes, and the note about attempt 1 must not cut it."""
+    request = new_request()
+    first = released(request)
+    request.handle(PublisherLost("heartbeat_lapsed"))
+    assert first.handle(Superseded()) != []  # Envoy started attempt 2: the release never reached it
+    first.handle(FenceProven("connection_closed"))
+    assert request.gate.admit() == Admit()
+    released(request, "att-2", "r2")
+    started(request)
+    whole = ROLE + C1 + C2 + FINISH + DONE_EVENT
+    assert request.handle(ResponseChunk(whole, True)) == Forward(whole, True)
+    assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 2)
+
+
 def test_publisher_lost_while_its_whole_answer_is_on_its_way() -> None:
     """The replica had sent everything before it was lost: the whole answer is delivered."""
     request = new_request()
