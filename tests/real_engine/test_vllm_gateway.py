@@ -282,15 +282,21 @@ def test_streamed_tool_call_passes_through(
 def test_client_disconnect_aborts_the_request_in_vllm_and_starts_no_other(
     gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
 ) -> None:
-    received_before = {n: len(r.received_request_ids()) for n, r in healthy_replicas.items()}
-    aborted_before = {n: len(r.aborted_request_ids()) for n, r in healthy_replicas.items()}
-
     def leave_after_three(chunk: Any, so_far: Streamed) -> bool:
         return sum(1 for c in so_far.chunks if chunk_has_content(c)) >= 3
 
-    result = stream_chat(gateway.url, max_tokens=1000, on_chunk=leave_after_three)
-    assert result.error is None and result.request_id
-    journal = terminal_journal(gateway, result.request_id)
+    # A client starved of CPU (a busy machine) may read its third delta only after the gateway forwarded
+    # the whole answer and its [DONE]: then the request simply completed. Not this test's case: again, a
+    # bounded number of times.
+    for _ in range(3):
+        received_before = {n: len(r.received_request_ids()) for n, r in healthy_replicas.items()}
+        aborted_before = {n: len(r.aborted_request_ids()) for n, r in healthy_replicas.items()}
+        result = stream_chat(gateway.url, max_tokens=1000, on_chunk=leave_after_three)
+        assert result.error is None and result.request_id
+        journal = terminal_journal(gateway, result.request_id)
+        if journal["phase"] != "completed":
+            break
+        print("\nreal_engine: the whole answer went out before the client left; running the scenario again")
     assert journal["phase"] == "cancelled", journal
     serving_attempt(journal)
     served = replica_of(gateway, result.request_id, healthy_replicas)
