@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
 
 import httpx
 import pytest
@@ -23,20 +22,17 @@ from tests.harness import (
     post,
     with_credential,
 )
+from tests.integration.first_delta_helpers import (
+    RETRIED_BEFORE_FIRST_DELTA,
+    accepted_replica_outcomes,
+    assert_terminal_frame,
+    attempts_logged,
+    finished,
+    served,
+    terminal_frames,
+)
 
 pytestmark = pytest.mark.integration
-
-TERMINAL = {"completed", "interrupted", "cancelled", "rejected", "failed"}
-
-
-def served(sims: dict[str, Sim], request_id: str) -> list[dict[str, Any]]:
-    """Every attempt the replicas served for this request, in start order."""
-    records = [r for sim in sims.values() for r in sim.requests_for(request_id)]
-    return sorted(records, key=lambda r: r["t_start"])
-
-
-def finished(gateway: Gateway, request_id: str) -> dict[str, Any]:
-    return gateway.wait_journal(request_id, lambda j: j["phase"] in TERMINAL)
 
 
 def assert_complete_answer(result: ClientResult, max_tokens: int) -> None:
@@ -51,10 +47,6 @@ def assert_complete_answer(result: ClientResult, max_tokens: int) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert not any("error" in d for d in chunks)
     assert len({d["id"] for d in chunks}) == 1, "events from more than one attempt"
-
-
-def terminal_frames(result: ClientResult) -> list[dict[str, Any]]:
-    return [d["error"] for d in result.data() if isinstance(d, dict) and "error" in d]
 
 
 # --- healthy path -------------------------------------------------------------------------------------
@@ -91,22 +83,7 @@ def test_usage_figures_are_the_delivered_count(gateway: Gateway) -> None:
 # --- before the first delta: invisible retry ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("fault", "replica_outcome", "attempt_detail"),
-    [
-        # Scenario 1: killed during prefill, before any downstream byte.
-        ("exit@headers attempt=1", "fault:exit", "connection_lost"),
-        ("reset@role attempt=1", "fault:reset", "connection_lost"),
-        # Scenario 2: a token was computed but its event never left ("200 + role event sent, then died").
-        ("reset@token:1 attempt=1", "fault:reset", "connection_lost"),
-        ("exit@token:1 attempt=1", "fault:exit", "connection_lost"),
-        # Failures the sidecar itself sees while holding the headers.
-        ("status503@headers attempt=1", "fault:status503", "upstream_status"),
-        ("error@token:1 attempt=1", "fault:error", "error_event"),
-        ("abort@token:1 attempt=1", "fault:abort", "aborted"),
-        ("close@role attempt=1", "fault:close", "ended_without_done"),
-    ],
-)
+@pytest.mark.parametrize(("fault", "replica_outcome", "attempt_detail"), RETRIED_BEFORE_FIRST_DELTA)
 def test_failure_before_first_delta_is_retried_invisibly(
     gateway: Gateway, sims: dict[str, Sim], fault: str, replica_outcome: str, attempt_detail: str
 ) -> None:
@@ -124,14 +101,9 @@ def test_failure_before_first_delta_is_retried_invisibly(
     assert names.index("attempt_failed") < names.index("first_delta_sent")
     assert names.count("first_delta_sent") == 1
     # The replicas' own logs: attempt 1 died where the fault says, attempt 2 served the whole answer.
-    attempts = poll(
-        lambda: (a := served(sims, result.request_id)) and len(a) == 2 and a, what="both attempts logged"
-    )
+    attempts = attempts_logged(sims, result.request_id, 2)
     assert [a["attempt_id"] for a in attempts] == [first["attempt_id"], second["attempt_id"]]
-    # An abort event is the end of the attempt for the gateway: it may reset the stream before the replica
-    # wrote the usage and [DONE] that follow it, and the replica then logs that its client left.
-    accepted = {replica_outcome, "client_gone"} if replica_outcome == "fault:abort" else {replica_outcome}
-    assert attempts[0]["outcome"] in accepted
+    assert attempts[0]["outcome"] in accepted_replica_outcomes(replica_outcome)
     assert attempts[1]["outcome"] == "completed" and attempts[1]["attempt_count"] == 2
     # Content came from the second attempt only.
     no_overlapping_content(result)
@@ -241,14 +213,7 @@ def test_interruption_after_first_delta_ends_with_one_terminal_frame(
     assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
     [frame] = terminal_frames(result)
     assert data[-2] == {"error": frame}, "the terminal frame is the last event before [DONE]"
-    assert frame == {
-        "code": "upstream_decode_interrupted",
-        "message": frame["message"],
-        "request_id": result.request_id,
-        "partial_output": True,
-        "delivered_output_tokens": delivered,
-        "retryable": False,
-    }
+    assert_terminal_frame(frame, result.request_id, delivered)
     assert len(result.content_chunks()) == delivered
     no_overlapping_content(result)
     journal = finished(gateway, result.request_id)

@@ -7,26 +7,40 @@ one killed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import threading
 import time
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx
-import openai
 
 from router_testbed.real_engine import VllmReplica
 from tests.harness import Gateway, poll
-from tests.real_engine.client import Streamed, has_content, sdk_client
+from tests.real_engine.client import Streamed
+from tests.real_engine.tier import (
+    CONTINUOUS_USAGE,
+    AtFirstDelta,
+    assert_complete_chat_with_usage,
+    assert_complete_completion_with_usage,
+    assert_completed_with_usage_count,
+    assert_one_attempt_content,
+    assert_prefix_then_reset_or_one_frame,
+    assert_retried_on,
+    chunk_has_content,
+    content_chunks,
+    direct_payloads,
+    event_kinds,
+    reference_chat_body,
+    replica_of,
+    serving_attempt,
+    stopped,
+    stream_chat,
+    stream_completion,
+    stream_until_routed_to,
+    terminal_journal,
+)
 
-AUTH = {"authorization": "Bearer unused"}  # the SDK's credential: journal look-ups are scoped to it
-CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
-MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -42,106 +56,8 @@ WEATHER_TOOL = {
     },
 }
 
-OnChunk = Callable[[Any, Streamed], bool]
-
-
-def stream_chat(
-    base_url: str,
-    *,
-    max_tokens: int,
-    on_chunk: OnChunk | None = None,
-    headers: dict[str, str] | None = None,
-    read_timeout: float = 60.0,
-    stream_options: dict[str, Any] | None = None,
-    **extra: Any,
-) -> Streamed:
-    """Stream one chat completion with the SDK; `on_chunk` returning True makes the client leave."""
-    client, tee = sdk_client(base_url, read_timeout=read_timeout)
-    result = Streamed()
-    body: dict[str, Any] = {"ignore_eos": True, **extra.pop("extra_body", {})}
-    if stream_options is not None:
-        body["stream_options"] = stream_options
-    try:
-        stream = client.chat.completions.create(
-            model="tiny",
-            messages=MESSAGES,  # type: ignore[arg-type]
-            stream=True,
-            max_tokens=max_tokens,
-            extra_headers=headers,
-            extra_body=body,
-            **extra,
-        )
-        result.status, result.headers = tee.status, tee.headers
-        try:
-            for chunk in stream:
-                result.chunks.append(chunk)
-                if on_chunk is not None and on_chunk(chunk, result):
-                    break
-        finally:
-            stream.close()
-    except Exception as exc:  # a reset or a terminal frame: recorded, asserted on by the test
-        result.error = exc
-    finally:
-        result.raw = bytes(tee.raw)
-        result.status, result.headers = result.status or tee.status, result.headers or tee.headers
-        client.close()
-    return result
-
-
-def chunk_has_content(chunk: Any) -> bool:
-    return has_content(chunk.model_dump())
-
-
-def replica_of(gateway: Gateway, request_id: str, replicas: dict[str, VllmReplica]) -> VllmReplica | None:
-    status, record = gateway.journal(request_id, AUTH)
-    attempts = record.get("attempts") or [] if status == 200 else []
-    if not attempts:
-        return None
-    address = attempts[-1].get("replica")
-    return next((r for r in replicas.values() if r.endpoint == address), None)
-
-
-def terminal_journal(gateway: Gateway, request_id: str, timeout: float = 15.0) -> dict[str, Any]:
-    terminal = {"completed", "interrupted", "cancelled", "rejected", "failed"}
-    return gateway.wait_journal(
-        request_id, lambda j: j.get("phase") in terminal, timeout=timeout, headers=AUTH
-    )
-
-
-def serving_attempt(journal: dict[str, Any]) -> dict[str, Any]:
-    """The attempt that published. Earlier ones may have failed before any content (a replica a previous
-    test restarted can still count as lost to the sidecar's health probe for a moment, more so on a busy
-    machine): retried invisibly, which is the contract too. None may follow the one that published."""
-    *before, serving = journal["attempts"]
-    assert all(a["outcome"] == "failed" for a in before), journal
-    return serving
-
-
-def assert_one_attempt_content(result: Streamed) -> None:
-    ids = result.content_ids()
-    assert len(ids) <= 1, f"content from several attempts reached the client: {ids}"
-    sdk_ids = {c.id for c in result.chunks if chunk_has_content(c)}
-    assert sdk_ids <= ids
-
-
-def assert_complete(result: Streamed, max_tokens: int) -> None:
-    assert result.error is None, f"{result.error!r}\n{result.raw[-2000:]!r}"
-    payloads = result.payloads()
-    assert payloads[-1] == "[DONE]" and result.done_count() == 1
-    assert not result.error_frames()
-    assert_one_attempt_content(result)
-    assert result.finish_reasons() == ["length"]
-    assert result.last_usage_tokens() == max_tokens
-
 
 # --------------------------------------------------------------------------- pass-through
-
-
-def direct_raw(url: str, path: str, body: dict[str, Any]) -> list[Any]:
-    """The same request straight to a replica, raw SSE payloads (the reference for 'unchanged')."""
-    response = httpx.post(f"{url}{path}", json=body, timeout=60)
-    assert response.status_code == 200
-    return Streamed(raw=response.content).payloads()
 
 
 def shape(payload: Any) -> Any:
@@ -155,74 +71,29 @@ def shape(payload: Any) -> Any:
     return type(payload).__name__
 
 
-def event_kinds(payloads: list[Any]) -> list[tuple[str, ...] | str]:
-    """The distinct key lists of a stream's events, in order of first appearance, then [DONE]."""
-    kinds: list[tuple[str, ...] | str] = []
-    for p in payloads:
-        kind = tuple(p) if isinstance(p, dict) else p
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
-
-
 def test_chat_stream_with_usage_passes_through_unchanged(
     gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
 ) -> None:
     max_tokens = 24
     result = stream_chat(gateway.url, max_tokens=max_tokens, stream_options=CONTINUOUS_USAGE)
-    assert result.status == 200 and result.request_id
-    assert_complete(result, max_tokens)
-    sdk = result.chunks
-    assert sdk[0].choices[0].delta.role == "assistant"
-    assert sdk[-1].choices == [] and sdk[-1].usage is not None
-    assert sdk[-1].usage.completion_tokens == max_tokens
-    text = "".join(c.choices[0].delta.content or "" for c in sdk if c.choices)
-    assert text  # random bytes: a lone high byte may decode to U+FFFD, as vLLM itself sends it
+    assert_complete_chat_with_usage(result, max_tokens)
     # Byte-level: the events the client got have exactly the structure vLLM itself sends.
-    body = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "stream": True,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream_options": CONTINUOUS_USAGE,
-    }
-    reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/chat/completions", body)
+    body = reference_chat_body(max_tokens)
+    reference = direct_payloads(next(iter(healthy_replicas.values())).url, "/v1/chat/completions", body)
     got = result.payloads()
     # vLLM may pack several tokens into one event when its API server lags the engine, so the number of
     # events differs between two runs; the structure of each kind of event may not.
     assert event_kinds(got) == event_kinds(reference)
     assert shape(got[0]) == shape(reference[0]) and shape(got[-2]) == shape(reference[-2])
-    journal = terminal_journal(gateway, result.request_id)
-    assert journal["phase"] == "completed"
-    serving_attempt(journal)
-    assert journal["delivered_output_tokens"] == max_tokens
-    assert journal["delivered_output_tokens_source"] == "usage"
+    assert_completed_with_usage_count(gateway, result.request_id, max_tokens)
 
 
 def test_completions_stream_with_usage_passes_through_unchanged(
     gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
 ) -> None:
     max_tokens = 16
-    client, tee = sdk_client(gateway.url)
-    try:
-        stream = client.completions.create(
-            model="tiny",
-            prompt="Once upon a time",
-            stream=True,
-            max_tokens=max_tokens,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        chunks = list(stream)
-    finally:
-        client.close()
-    result = Streamed(chunks=chunks, raw=bytes(tee.raw), headers=tee.headers, status=tee.status)
-    assert result.status == 200
-    assert_complete(result, max_tokens)
-    assert all(c.object == "text_completion" for c in chunks)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
-    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    result = stream_completion(gateway.url, max_tokens=max_tokens)
+    assert_complete_completion_with_usage(result, max_tokens)
     body = {
         "model": "tiny",
         "prompt": "Once upon a time",
@@ -231,7 +102,7 @@ def test_completions_stream_with_usage_passes_through_unchanged(
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    reference = direct_raw(next(iter(healthy_replicas.values())).url, "/v1/completions", body)
+    reference = direct_payloads(next(iter(healthy_replicas.values())).url, "/v1/completions", body)
     # vLLM coalesces tokens into fewer events when it runs ahead of its reader (a busy machine): how many
     # text events there are, and which carries the finish, varies from run to run; their shape does not.
     assert _unfinished(shape(result.payloads()[0])) == _unfinished(shape(reference[0]))
@@ -283,7 +154,7 @@ def test_client_disconnect_aborts_the_request_in_vllm_and_starts_no_other(
     gateway: Gateway, healthy_replicas: dict[str, VllmReplica]
 ) -> None:
     def leave_after_three(chunk: Any, so_far: Streamed) -> bool:
-        return sum(1 for c in so_far.chunks if chunk_has_content(c)) >= 3
+        return content_chunks(so_far) >= 3
 
     # A client starved of CPU (a busy machine) may read its third delta only after the gateway forwarded
     # the whole answer and its [DONE]: then the request simply completed. Not this test's case: again, a
@@ -326,52 +197,18 @@ def test_engine_worker_killed_before_first_content_is_retried_on_the_other_repli
     assert worker is not None, f"no engine worker under {victim.name}: {victim.engine_pids()}"
     max_tokens = 32
     # Freeze the worker, then send requests until one lands on the frozen replica (round robin: <= 2).
-    os.kill(worker, signal.SIGSTOP)
-    landed: dict[str, Any] = {}
-    try:
-        for _ in range(4):
-            request_id = f"real-{uuid.uuid4().hex[:16]}"
-            box: dict[str, Streamed] = {}
-            thread = threading.Thread(
-                target=lambda rid=request_id, box=box: box.update(
-                    r=stream_chat(
-                        gateway.url,
-                        max_tokens=max_tokens,
-                        headers={"Idempotency-Key": rid},
-                        stream_options=CONTINUOUS_USAGE,
-                    )
-                ),
-                daemon=True,
-            )
-            thread.start()
-            first = poll(
-                lambda rid=request_id: replica_of(gateway, rid, healthy_replicas),
-                timeout=15,
-                what="the first attempt's replica",
-            )
-            if first is victim:
-                landed = {"request_id": request_id, "thread": thread, "box": box}
-                break
-            thread.join(30)  # served by the healthy replica: a normal answer; try again
+    with stopped(worker):
+        landed = stream_until_routed_to(
+            victim, gateway, healthy_replicas, max_tokens=max_tokens, id_prefix="real", join=30
+        )
         assert landed, "no request was routed to the frozen replica"
         # The request waits on the frozen worker: nothing can have been delivered yet.
         time.sleep(0.5)
-        assert landed["thread"].is_alive()
+        assert landed.thread.is_alive()
         os.kill(worker, signal.SIGKILL)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signal.SIGCONT)
-    landed["thread"].join(60)
-    assert not landed["thread"].is_alive(), "the client never finished"
-    result: Streamed = landed["box"]["r"]
-    assert result.request_id == landed["request_id"]
-    assert_complete(result, max_tokens)  # one complete answer, no error frame, one attempt's content
-    journal = terminal_journal(gateway, result.request_id)
-    attempts = journal["attempts"]
-    assert journal["phase"] == "completed" and len(attempts) == 2, journal
-    assert attempts[0]["replica"] == victim.endpoint and attempts[0]["outcome"] == "failed"
-    assert attempts[1]["replica"] == other.endpoint
-    assert journal["delivered_output_tokens"] == max_tokens
+    landed.thread.join(60)
+    assert not landed.thread.is_alive(), "the client never finished"
+    assert_retried_on(gateway, landed, victim, other, max_tokens)
     # vLLM itself sent the in-band error and then exits; start it again in the background.
     poll(lambda: not victim.healthy(), timeout=15, what=f"{victim.name} to go down")
     victim.stop()
@@ -384,22 +221,10 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
     # Waits for the replica the previous test killed: a replica loading next to the stream starves the
     # gateway's CPU, and the whole 1000-token answer may then be generated before the client's first delta.
     replicas = healthy_replicas
-    killed: list[VllmReplica] = []
-
-    def kill_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
-        if not killed and chunk_has_content(chunk):
-            # Freeze every replica at once (no further token can be generated while we find out which
-            # one serves us), then kill the server's group and let the idle one go on.
-            for replica in replicas.values():
-                replica.signal_group(signal.SIGSTOP)
-            served = replica_of(gateway, so_far.request_id, replicas)
-            assert served is not None
-            served.kill_group()
-            killed.append(served)
-            for replica in replicas.values():
-                if replica is not served:
-                    replica.signal_group(signal.SIGCONT)
-        return False
+    # Freeze every replica at once (no further token can be generated while we find out which one serves
+    # us), then kill the server's group and let the idle one go on.
+    kill_after_first_delta = AtFirstDelta(gateway, replicas, VllmReplica.kill_group, freeze=True)
+    killed = kill_after_first_delta.acted
 
     # The scenario needs the kill to land mid-generation. A client starved of CPU (a busy machine) may read
     # its first delta only after vLLM generated all 1000 tokens: then the answer is simply complete (and
@@ -420,31 +245,9 @@ def test_process_group_killed_after_first_delta_gives_prefix_then_reset(
         print("\nreal_engine: the whole answer arrived before the kill landed; running the scenario again")
         killed[0].stop()
         killed[0].start()
-    assert result.status == 200 and result.request_id
-    assert_one_attempt_content(result)
-    content = result.content_payloads()
-    assert len(content) >= 1 and "length" not in result.finish_reasons()
-    frames = result.error_frames()
     # Either a transport reset (the SDK raises) or exactly one terminal frame then [DONE].
-    assert result.error is not None or frames, "the stream ended as if complete"
-    assert len(frames) <= 1
-    if frames:
-        assert frames[0]["code"] == "upstream_decode_interrupted"
-        assert result.payloads()[-1] == "[DONE]" and result.done_count() == 1
-    else:
-        assert result.done_count() == 0
-        assert isinstance(result.error, (httpx.TransportError, openai.APIConnectionError)), repr(result.error)
-    journal = terminal_journal(gateway, result.request_id)
-    assert journal["phase"] == "interrupted", journal
-    assert journal["first_delta_sent"] is True
+    journal, _, _ = assert_prefix_then_reset_or_one_frame(gateway, result)
     assert journal["attempts"][-1]["replica"] == killed[0].endpoint
-    client_tokens = result.last_usage_tokens()
-    assert client_tokens is not None and client_tokens >= 1
-    assert journal["delivered_output_tokens_source"] == "usage"
-    if frames:  # a clean end: exactly what the client got
-        assert journal["delivered_output_tokens"] == client_tokens == frames[0]["delivered_output_tokens"]
-    else:  # a reset: what was in flight was delivered (written towards the client) but never read
-        assert journal["delivered_output_tokens"] >= client_tokens, (journal, client_tokens)
     killed[0].stop()
     killed[0].start(wait=False)
 
@@ -528,17 +331,8 @@ def test_api_server_sigterm_mid_stream_never_leaves_the_client_waiting(
     """
     replicas = healthy_replicas
     poll(lambda: any(r.healthy() for r in replicas.values()), timeout=90, what="a healthy replica")
-    termed: list[VllmReplica] = []
-    termed_at: list[float] = []
-
-    def term_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
-        if not termed and chunk_has_content(chunk):
-            served = replica_of(gateway, so_far.request_id, replicas)
-            assert served is not None
-            served.terminate_api_server()
-            termed.append(served)
-            termed_at.append(time.monotonic())
-        return False
+    term_after_first_delta = AtFirstDelta(gateway, replicas, VllmReplica.terminate_api_server)
+    termed, termed_at = term_after_first_delta.acted, term_after_first_delta.acted_at
 
     result = stream_chat(
         gateway.url,

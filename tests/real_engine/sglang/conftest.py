@@ -8,7 +8,6 @@ that an earlier test killed.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from router_testbed.real_engine import (
     start_sglang_replicas,
 )
 from tests.harness import Gateway
+from tests.real_engine.tier import gateway_to, installed, mark_tier, replica_pair, wait_restarted
 
 INSTALL, SKIP_REASON = find_sglang_installation()
 
@@ -29,56 +29,31 @@ RESTART_TIMEOUT = 150.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.real_engine)
-            item.add_marker(pytest.mark.timeout(300))
-            if INSTALL is None:
-                item.add_marker(pytest.mark.skip(reason=f"SGLang real_engine tier: {SKIP_REASON}"))
+    skip_reason = None if INSTALL is not None else f"SGLang real_engine tier: {SKIP_REASON}"
+    mark_tier(items, Path(__file__).parent, skip_reason)
 
 
 @pytest.fixture(scope="package")
 def sglang_install() -> Installation:
-    if INSTALL is None:
-        pytest.skip(SKIP_REASON)
-    return INSTALL
+    return installed(INSTALL, SKIP_REASON)
 
 
 @pytest.fixture(scope="package")
 def sglang_replicas(
     sglang_install: Installation, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, SglangReplica]]:
-    t0 = time.monotonic()
-    try:
-        pool = start_sglang_replicas(
-            ["a", "b"], sglang_install, tmp_path_factory.mktemp("sglang"), timeout=START_TIMEOUT
-        )
-    except (TimeoutError, RuntimeError) as exc:
-        # SGLang's start-up is not what this tier tests: on a starved machine it can fail to come up in
-        # time (or shut itself down). Once more from scratch, then the failure stands.
-        print(f"\nreal_engine: SGLang did not start ({str(exc)[:300]}); starting both once more")
-        pool = start_sglang_replicas(
-            ["a", "b"], sglang_install, tmp_path_factory.mktemp("sglang"), timeout=START_TIMEOUT
-        )
-    print(f"\nreal_engine: 2 SGLang replicas ready in {time.monotonic() - t0:.1f}s")
-    try:
+    with replica_pair(
+        "SGLang", start_sglang_replicas, sglang_install, tmp_path_factory, START_TIMEOUT
+    ) as pool:
         yield pool
-    finally:
-        for replica in pool.values():
-            replica.stop()
 
 
 @pytest.fixture(scope="module")
 def sglang_gateway(
     etcd: str, sglang_replicas: dict[str, SglangReplica], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    work = tmp_path_factory.mktemp("gateway")
-    gw = Gateway(replicas=[r.endpoint for r in sglang_replicas.values()], etcd=etcd, work=work)
-    try:
+    with gateway_to(sglang_replicas, etcd, tmp_path_factory.mktemp("gateway")) as gw:
         yield gw
-    finally:
-        gw.stop()
 
 
 def restart_dead(replicas: dict[str, SglangReplica]) -> list[SglangReplica]:
@@ -90,13 +65,7 @@ def restart_dead(replicas: dict[str, SglangReplica]) -> list[SglangReplica]:
             replica.start(wait=False)
     waited = [r for r in replicas.values() if not r.healthy()]
     for replica in waited:
-        try:
-            took = replica.wait_ready(RESTART_TIMEOUT)
-        except (TimeoutError, RuntimeError) as exc:
-            print(f"\nreal_engine: SGLang {replica.name} did not restart ({str(exc)[:300]}); once more")
-            replica.stop()
-            replica.start(wait=False)
-            took = replica.wait_ready(RESTART_TIMEOUT)
+        took = wait_restarted(replica, RESTART_TIMEOUT)
         print(f"\nreal_engine: SGLang replica {replica.name} (re)started, ready {took:.1f}s after its start")
     return waited
 

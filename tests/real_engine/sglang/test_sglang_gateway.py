@@ -17,156 +17,46 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry, open_store
 from router_sidecar.runtime.supervise import Child, start_etcd
 from router_testbed.real_engine import SglangReplica
 from tests.harness import Gateway, poll
-from tests.real_engine.client import Streamed, has_content, sdk_client
+from tests.real_engine.tier import (
+    AUTH,
+    CONTINUOUS_USAGE,
+    MESSAGES,
+    AtFirstDelta,
+    assert_complete_chat_with_usage,
+    assert_complete_completion_with_usage,
+    assert_completed_with_usage_count,
+    assert_one_attempt_content,
+    assert_prefix_then_reset_or_one_frame,
+    assert_retried_on,
+    content_chunks,
+    direct_payloads,
+    event_kinds,
+    in_background,
+    reference_chat_body,
+    replica_of,
+    serving_attempt,
+    stopped,
+    stream_chat,
+    stream_completion,
+    stream_until_routed_to,
+    terminal_journal,
+)
 
-AUTH = {"authorization": "Bearer unused"}  # the SDK's credential: journal look-ups are scoped to it
-CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
-MESSAGES = [{"role": "user", "content": "Tell me a story"}]
-TERMINAL = {"completed", "interrupted", "cancelled", "rejected", "failed"}
 # A long answer: SGLang counts the prompt (25 tokens here) into the 1024-token context, unlike vLLM's 1000.
 LONG = 960
-
-OnChunk = Callable[[Any, Streamed], bool]
-
-
-# --------------------------------------------------------------------------- client side
-
-
-def stream_chat(
-    base_url: str,
-    *,
-    max_tokens: int,
-    on_chunk: OnChunk | None = None,
-    headers: dict[str, str] | None = None,
-    read_timeout: float = 60.0,
-    stream_options: dict[str, Any] | None = None,
-) -> Streamed:
-    """Stream one chat completion with the SDK; `on_chunk` returning True makes the client leave."""
-    client, tee = sdk_client(base_url, read_timeout=read_timeout)
-    result = Streamed()
-    body: dict[str, Any] = {"ignore_eos": True}
-    if stream_options is not None:
-        body["stream_options"] = stream_options
-    try:
-        stream = client.chat.completions.create(
-            model="tiny",
-            messages=MESSAGES,  # type: ignore[arg-type]
-            stream=True,
-            max_tokens=max_tokens,
-            extra_headers=headers,
-            extra_body=body,
-        )
-        result.status, result.headers = tee.status, tee.headers
-        try:
-            for chunk in stream:
-                result.chunks.append(chunk)
-                if on_chunk is not None and on_chunk(chunk, result):
-                    break
-        finally:
-            stream.close()
-    except Exception as exc:  # a reset or a terminal frame: recorded, asserted on by the test
-        result.error = exc
-    finally:
-        result.raw = bytes(tee.raw)
-        result.status, result.headers = result.status or tee.status, result.headers or tee.headers
-        client.close()
-    return result
-
-
-def chunk_has_content(chunk: Any) -> bool:
-    return has_content(chunk.model_dump())
-
-
-def content_chunks(result: Streamed) -> int:
-    return sum(1 for c in result.chunks if chunk_has_content(c))
-
-
-def direct_payloads(url: str, path: str, body: dict[str, Any]) -> list[Any]:
-    """The same request straight to a replica: raw SSE payloads, the reference for 'unchanged'."""
-    response = httpx.post(f"{url}{path}", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return Streamed(raw=response.content).payloads()
-
-
-def event_kinds(payloads: list[Any]) -> list[tuple[str, ...] | str]:
-    """The distinct key lists of a stream's events, in order of first appearance, then [DONE]."""
-    kinds: list[tuple[str, ...] | str] = []
-    for p in payloads:
-        kind = tuple(p) if isinstance(p, dict) else p
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
-
-
-def assert_one_attempt_content(result: Streamed) -> None:
-    ids = result.content_ids()
-    assert len(ids) <= 1, f"content from several attempts reached the client: {ids}"
-    assert {c.id for c in result.chunks if chunk_has_content(c)} <= ids
-
-
-def assert_complete(result: Streamed, max_tokens: int) -> None:
-    assert result.error is None, f"{result.error!r}\n{result.raw[-2000:]!r}"
-    assert result.payloads()[-1] == "[DONE]" and result.done_count() == 1
-    assert not result.error_frames()
-    assert_one_attempt_content(result)
-    assert result.finish_reasons() == ["length"]
-    assert result.last_usage_tokens() == max_tokens
-
-
-# --------------------------------------------------------------------------- gateway side
-
-
-def journal_of(gateway: Gateway, request_id: str) -> dict[str, Any]:
-    status, record = gateway.journal(request_id, AUTH)
-    return record if status == 200 else {}
-
-
-def terminal_journal(gateway: Gateway, request_id: str, timeout: float = 15.0) -> dict[str, Any]:
-    return gateway.wait_journal(
-        request_id, lambda j: j.get("phase") in TERMINAL, timeout=timeout, headers=AUTH
-    )
-
-
-def replica_of(gateway: Gateway, request_id: str, replicas: dict[str, SglangReplica]) -> SglangReplica | None:
-    """The replica of the request's latest attempt, from the journal."""
-    attempts = journal_of(gateway, request_id).get("attempts") or []
-    address = attempts[-1].get("replica") if attempts else None
-    return next((r for r in replicas.values() if r.endpoint == address), None)
-
-
-def serving_attempt(journal: dict[str, Any]) -> dict[str, Any]:
-    """The attempt that published; any before it failed before content (retried invisibly: the contract)."""
-    *before, serving = journal["attempts"]
-    assert all(a["outcome"] == "failed" for a in before), journal
-    return serving
-
-
-def in_background(target: Callable[[], Streamed]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run one client in a thread; its result lands in the box as ``r``, the time it ended as ``ended``."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        box["r"] = target()
-        box["ended"] = time.monotonic()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
 
 
 # --------------------------------------------------------------------------- pass-through
@@ -177,57 +67,22 @@ def test_chat_stream_with_usage_is_one_complete_answer(
 ) -> None:
     max_tokens = 24
     result = stream_chat(sglang_gateway.url, max_tokens=max_tokens, stream_options=CONTINUOUS_USAGE)
-    assert result.status == 200 and result.request_id
-    assert_complete(result, max_tokens)
-    sdk = result.chunks
-    assert sdk[0].choices[0].delta.role == "assistant"
-    assert (
-        sdk[-1].choices == [] and sdk[-1].usage is not None and sdk[-1].usage.completion_tokens == max_tokens
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in sdk if c.choices)
+    assert_complete_chat_with_usage(result, max_tokens)
     # The events the client got have the structure SGLang itself sends (its role event with
     # reasoning_content, matched_stop, usage on content events but not on the finish event).
-    body = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "stream": True,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream_options": CONTINUOUS_USAGE,
-    }
+    body = reference_chat_body(max_tokens)
     reference = direct_payloads(sglang_replicas["a"].url, "/v1/chat/completions", body)
     assert event_kinds(result.payloads()) == event_kinds(reference)
-    journal = terminal_journal(sglang_gateway, result.request_id)
-    assert journal["phase"] == "completed", journal
-    serving_attempt(journal)
-    assert journal["delivered_output_tokens"] == max_tokens
-    assert journal["delivered_output_tokens_source"] == "usage"
+    assert_completed_with_usage_count(sglang_gateway, result.request_id, max_tokens)
 
 
 def test_completions_stream_with_usage_is_one_complete_answer(sglang_gateway: Gateway) -> None:
     max_tokens = 16
-    client, tee = sdk_client(sglang_gateway.url)
-    try:
-        stream = client.completions.create(
-            model="tiny",
-            prompt="Once upon a time",
-            stream=True,
-            max_tokens=max_tokens,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        chunks = list(stream)
-    finally:
-        client.close()
-    result = Streamed(chunks=chunks, raw=bytes(tee.raw), headers=tee.headers, status=tee.status)
-    assert result.status == 200
-    assert_complete(result, max_tokens)
+    result = stream_completion(sglang_gateway.url, max_tokens=max_tokens)
+    assert_complete_completion_with_usage(result, max_tokens)
     # SGLang's completions stream has no role event: every event but the usage one has a text choice (the
     # first may be empty while the detokenizer holds back a partial UTF-8 sequence).
-    assert all(c.object == "text_completion" for c in chunks)
-    assert all(c.choices and c.choices[0].text is not None for c in chunks[:-1])
-    assert "".join(c.choices[0].text for c in chunks if c.choices)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
+    assert all(c.choices and c.choices[0].text is not None for c in result.chunks[:-1])
     journal = terminal_journal(sglang_gateway, result.request_id)
     assert journal["phase"] == "completed" and journal["delivered_output_tokens"] == max_tokens
     assert journal["delivered_output_tokens_source"] == "usage"
@@ -363,17 +218,8 @@ def test_sigterm_drain_withdraws_the_replica_and_no_new_attempt_lands_on_it(
 
         poll(reached_both, timeout=30, what="discovered endpoints reaching both replicas")
 
-        termed: list[SglangReplica] = []
-        termed_at: list[float] = []
-
-        def term_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
-            if not termed and chunk_has_content(chunk):
-                served = replica_of(gateway, so_far.request_id, replicas)
-                assert served is not None
-                served.terminate_server()
-                termed.append(served)
-                termed_at.append(time.monotonic())
-            return False
+        term_after_first_delta = AtFirstDelta(gateway, replicas, SglangReplica.terminate_server)
+        termed, termed_at = term_after_first_delta.acted, term_after_first_delta.acted_at
 
         thread, box = in_background(
             lambda: stream_chat(
@@ -475,48 +321,19 @@ def test_scheduler_killed_before_first_content_is_retried_on_the_other_replica(
     assert scheduler is not None, f"no sglang::scheduler under {victim.name}: {victim.descendants()}"
     max_tokens = 32
     # Freeze the scheduler (no token can come), send requests until one lands on it (round robin: <= 2).
-    os.kill(scheduler, signal.SIGSTOP)
-    landed: dict[str, Any] = {}
-    try:
-        for _ in range(4):
-            request_id = f"sched-{uuid.uuid4().hex[:16]}"
-            thread, box = in_background(
-                lambda rid=request_id: stream_chat(  # type: ignore[misc]
-                    sglang_gateway.url,
-                    max_tokens=max_tokens,
-                    headers={"Idempotency-Key": rid},
-                    stream_options=CONTINUOUS_USAGE,
-                )
-            )
-            first = poll(
-                lambda rid=request_id: replica_of(sglang_gateway, rid, replicas),  # type: ignore[misc]
-                timeout=15,
-                what="the first attempt's replica",
-            )
-            if first is victim:
-                landed = {"request_id": request_id, "thread": thread, "box": box}
-                break
-            thread.join(60)  # served by the healthy replica: a normal answer; try again
+    with stopped(scheduler):
+        landed = stream_until_routed_to(
+            victim, sglang_gateway, replicas, max_tokens=max_tokens, id_prefix="sched", join=60
+        )
         assert landed, "no request was routed to the replica with the frozen scheduler"
-        poll(lambda: victim.rids_of(landed["request_id"]), timeout=10, what="SGLang to receive the request")
-        assert landed["thread"].is_alive()  # nothing can have been generated: the scheduler is frozen
+        poll(lambda: victim.rids_of(landed.request_id), timeout=10, what="SGLang to receive the request")
+        assert landed.thread.is_alive()  # nothing can have been generated: the scheduler is frozen
         os.kill(scheduler, signal.SIGKILL)
         killed_at = time.monotonic()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(scheduler, signal.SIGCONT)
-    landed["thread"].join(90)
-    assert not landed["thread"].is_alive(), "the client never finished"
+    landed.thread.join(90)
+    assert not landed.thread.is_alive(), "the client never finished"
     took = time.monotonic() - killed_at
-    result: Streamed = landed["box"]["r"]
-    assert result.request_id == landed["request_id"]
-    assert_complete(result, max_tokens)  # one complete answer, no error frame, one attempt's content
-    journal = terminal_journal(sglang_gateway, result.request_id)
-    attempts = journal["attempts"]
-    assert journal["phase"] == "completed" and len(attempts) == 2, journal
-    assert attempts[0]["replica"] == victim.endpoint and attempts[0]["outcome"] == "failed"
-    assert attempts[1]["replica"] == other.endpoint
-    assert journal["delivered_output_tokens"] == max_tokens
+    attempts = assert_retried_on(sglang_gateway, landed, victim, other, max_tokens)
     print(
         f"\nreal_engine: SGLang scheduler killed before content -> answered by {other.name} "
         f"{took:.1f}s later (first attempt failed: {attempts[0]['detail']})"
@@ -532,21 +349,12 @@ def test_server_killed_after_first_delta_gives_prefix_then_reset_or_one_terminal
 ) -> None:
     replicas = sglang_replicas
     poll(lambda: any(r.alive() for r in replicas.values()), timeout=5, what="a running replica")
-    killed: list[SglangReplica] = []
-
-    def kill_after_first_delta(chunk: Any, so_far: Streamed) -> bool:
-        if not killed and chunk_has_content(chunk):
-            # Freeze every replica (no further token while we find out which one serves us), kill the
-            # server process of that one, and let the processes go on (its children notice and die).
-            for replica in replicas.values():
-                replica.signal_group(signal.SIGSTOP)
-            served = replica_of(sglang_gateway, so_far.request_id, replicas)
-            assert served is not None
-            served.kill_server()
-            killed.append(served)
-            for replica in replicas.values():
-                replica.signal_group(signal.SIGCONT)
-        return False
+    # Freeze every replica (no further token while we find out which one serves us), kill the server
+    # process of that one, and let the processes go on (its children notice and die).
+    kill_after_first_delta = AtFirstDelta(
+        sglang_gateway, replicas, SglangReplica.kill_server, freeze=True, thaw_served=True
+    )
+    killed = kill_after_first_delta.acted
 
     # The kill must land mid-generation. A client starved of CPU may read its first delta only after SGLang
     # generated all LONG tokens: then the answer is simply complete (and journaled so). That is not this
@@ -567,30 +375,9 @@ def test_server_killed_after_first_delta_gives_prefix_then_reset_or_one_terminal
         print("\nreal_engine: the whole answer arrived before the kill landed; running the scenario again")
         killed[0].stop()
         killed[0].start(wait=True, timeout=150)
-    assert result.status == 200 and result.request_id
-    assert_one_attempt_content(result)
-    assert len(result.content_payloads()) >= 1 and "length" not in result.finish_reasons()
-    frames = result.error_frames()
     # Either a transport reset (the SDK raises) or exactly one terminal frame then [DONE].
-    assert result.error is not None or frames, "the stream ended as if complete"
-    assert len(frames) <= 1
-    if frames:
-        assert frames[0]["code"] == "upstream_decode_interrupted"
-        assert result.payloads()[-1] == "[DONE]" and result.done_count() == 1
-    else:
-        assert result.done_count() == 0
-        assert isinstance(result.error, (httpx.TransportError, openai.APIConnectionError)), repr(result.error)
-    journal = terminal_journal(sglang_gateway, result.request_id)
-    assert journal["phase"] == "interrupted", journal
-    assert journal["first_delta_sent"] is True
+    journal, frames, client_tokens = assert_prefix_then_reset_or_one_frame(sglang_gateway, result)
     assert serving_attempt(journal)["replica"] == killed[0].endpoint, journal
-    client_tokens = result.last_usage_tokens()
-    assert client_tokens is not None and client_tokens >= 1
-    assert journal["delivered_output_tokens_source"] == "usage"
-    if frames:  # a clean end: exactly what the client got
-        assert journal["delivered_output_tokens"] == client_tokens == frames[0]["delivered_output_tokens"]
-    else:  # a reset: what was in flight was delivered (written towards the client) but never read
-        assert journal["delivered_output_tokens"] >= client_tokens, (journal, client_tokens)
     outcome = (
         f"terminal frame ({frames[0]['message']})" if frames else f"reset ({type(result.error).__name__})"
     )
