@@ -25,6 +25,7 @@ from router_sidecar.runtime.supervise import (
     Child,
     envoy_admin,
     free_port,
+    free_ports,
     port_open,
     start_etcd,
     wait_etcd_healthy,
@@ -168,8 +169,9 @@ class EtcdCluster:
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
         self.names = [f"member{i}" for i in range(size)]
-        self._peer = {n: free_port() for n in self.names}
-        self._client = {n: free_port() for n in self.names}
+        ports = free_ports(2 * size)  # distinct: a port given twice makes a cluster that never forms
+        self._peer = dict(zip(self.names, ports[:size], strict=True))
+        self._client = dict(zip(self.names, ports[size:], strict=True))
         self._initial = ",".join(f"{n}=http://127.0.0.1:{self._peer[n]}" for n in self.names)
         self.children: dict[str, Child] = {}
         try:

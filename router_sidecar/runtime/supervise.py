@@ -180,9 +180,16 @@ async def wait_envoy_ready(child: Child, admin_socket: Path, timeout: float = 30
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: all bound at once (one at a time, the kernel may hand out one twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def find_etcd() -> str:
@@ -214,8 +221,9 @@ def start_etcd(
 
     `also_listen_on`: further local addresses for clients (e.g. a test's own network namespace link).
     `wait=False`: return at once (the members of a new cluster only get healthy together)."""
-    client_port = client_port or free_port(host)
-    peer_port = peer_port or free_port(host)
+    if client_port is None or peer_port is None:
+        spare = free_ports(2, host)  # distinct (bound at once)
+        client_port, peer_port = client_port or spare[0], peer_port or spare[1]
     argv = [
         find_etcd(),
         "--name",
