@@ -13,10 +13,12 @@ check them.
 
 This module is meant to be an *independent oracle* of the gateway's own accounting
 (``router_sidecar.core.sse`` and the request machine): it reads the client's bytes with the test harness's
-SSE splitter and ``json``, and never imports the product's scanner or machines. The only product-side
-import is the simulator's deterministic generator (``testbed.sim.generation``), used to know the exact
-text a simulated replica produces for a request, so that a repeated fragment, a second answer or content
-of another request shows up as text that is not a prefix of the one generation.
+SSE splitter and ``json``, and never imports the product's scanner or machines. What a content event is,
+its text and the contract's literals come from ``router_testbed.oracle``, which the drill reads with too
+(it imports nothing of the product either). The only product-side import is the simulator's deterministic
+generator (``testbed.sim.generation``), used to know the exact text a simulated replica produces for a
+request, so that a repeated fragment, a second answer or content of another request shows up as text that
+is not a prefix of the one generation.
 """
 
 from __future__ import annotations
@@ -27,13 +29,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router_testbed.oracle import (
+    DONE,
+    INTERRUPTED,
+    RAW_REPLICA_ERROR_MARKERS,
+    TERMINAL_PHASES,
+    attempt_times,
+    is_content,
+    piece_text,
+)
 from tests.harness import split_events
 
-TERMINAL_PHASES = frozenset({"completed", "interrupted", "cancelled", "rejected", "failed"})
-INTERRUPTED = "upstream_decode_interrupted"
 CLIENT_DISCONNECTED = "client_disconnected"
-# Text that only a replica writes: its raw error must never reach a client as the gateway's answer.
-RAW_REPLICA_ERROR_MARKERS = (b"EngineCore encountered an issue",)
 # Replica outcomes (simulator log) of an abrupt death: the only ones that may reach a client as a reset.
 ABRUPT_REPLICA_OUTCOMES = frozenset({"fault:reset", "fault:exit"})
 
@@ -114,8 +121,6 @@ class Evidence:
 
 # --- reading the client's bytes ---------------------------------------------------------------------
 
-DONE = "[DONE]"
-
 
 @dataclass
 class Delivered:
@@ -146,32 +151,6 @@ class Delivered:
 
     def ids(self) -> set[str]:
         return {p["id"] for p in self.payloads if isinstance(p, dict) and isinstance(p.get("id"), str)}
-
-
-def is_content(payload: Any) -> bool:
-    """DESIGN §2: non-empty delta.content, any delta.tool_calls, delta.reasoning_content, or `text`."""
-    if not isinstance(payload, dict):
-        return False
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return False
-    choice = choices[0]
-    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-    return bool(
-        delta.get("content")
-        or delta.get("tool_calls")
-        or delta.get("reasoning_content")
-        or choice.get("text")
-    )
-
-
-def _piece_text(payload: dict[str, Any]) -> str:
-    choice = payload["choices"][0]
-    if isinstance(choice.get("delta"), dict):
-        content = choice["delta"].get("content")
-        return content if isinstance(content, str) else ""
-    text = choice.get("text")
-    return text if isinstance(text, str) else ""
 
 
 def parse_sse(raw: bytes) -> tuple[list[Any], list[bytes], bool]:
@@ -223,7 +202,7 @@ def read_delivered(sent: SentRequest, client: ClientOutcome) -> Delivered:
         payloads, unparseable, torn = parse_sse(client.body)
         d = Delivered("other", payloads, unparseable, torn)
         d.content = [p for p in payloads if is_content(p)]
-        d.text = "".join(_piece_text(p) for p in d.content)
+        d.text = "".join(piece_text(p) for p in d.content)
         d.frames = [p["error"] for p in payloads if isinstance(p, dict) and isinstance(p.get("error"), dict)]
         for p in payloads:
             if isinstance(p, dict) and isinstance(p.get("usage"), dict):
@@ -824,16 +803,8 @@ class _Check:
                 self.flag(
                     "4", "no-lease-record", f"attempt {attempt.get('attempt')} has no lease record: {attempt}"
                 )
-        started = {
-            e.get("attempt"): float(e["t"])
-            for e in self.events
-            if e.get("event") == "attempt_started" and isinstance(e.get("t"), int | float)
-        }
-        fenced = {
-            e.get("attempt"): float(e["t"])
-            for e in self.events
-            if e.get("event") == "attempt_fenced" and isinstance(e.get("t"), int | float)
-        }
+        started = attempt_times(self.events, "attempt_started")
+        fenced = attempt_times(self.events, "attempt_fenced")
         for earlier, later in itertools.pairwise(self.attempts):
             lease_e = earlier.get("lease") or {}
             lease_l = later.get("lease") or {}

@@ -83,14 +83,34 @@ class Delete:
 Also = Sequence[Put | Delete]
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One conditional write, what `create`, `replace` and `put` are each made of: `key` := `value` (under
+    `lease`) and the further writes `also`, all in one transaction, done only if every condition given
+    holds."""
+
+    key: str
+    value: bytes
+    lease: Lease | None
+    also: Also
+    new: bool = False  # `key` must be absent
+    expected: bytes | None = None  # `key` must hold this
+    present: str | None = None  # this key must exist
+    absent: str | None = None  # this key must not exist
+
+
 class Store(Protocol):
-    """`also`: further writes done in the same transaction, only if the main one is."""
+    """`also`: further writes done in the same transaction, only if the main one is.
+
+    An implementation subclasses `Store` and implements `_commit`; `create`, `replace` and `put` are written
+    here once, on top of it."""
 
     async def create(
         self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
     ) -> bytes | None:
         """Write `value` only if `key` is absent. Returns None on success, else the existing value."""
-        ...
+        written, found = await self._commit(_Write(key, value, lease, also, new=True))
+        return None if written else found
 
     async def replace(
         self,
@@ -105,7 +125,9 @@ class Store(Protocol):
     ) -> bool:
         """Write `value` only if `key` still holds `expected` (and the key `present`, if given, exists, and
         the key `absent`, if given, does not). Returns whether it was written."""
-        ...
+        write = _Write(key, value, lease, also, expected=expected, present=present, absent=absent)
+        written, _ = await self._commit(write)
+        return written
 
     async def put(
         self,
@@ -117,6 +139,12 @@ class Store(Protocol):
         present: str | None = None,
     ) -> bool:
         """Write `value` (only if the key `present`, if given, exists). Returns whether it was written."""
+        written, _ = await self._commit(_Write(key, value, lease, also, present=present))
+        return written
+
+    async def _commit(self, write: _Write) -> tuple[bool, bytes | None]:
+        """Do `write` if its conditions hold. Returns whether it was written and, when a `new` write was
+        not, the value found at its key."""
         ...
 
     async def get(self, key: str) -> bytes | None: ...
@@ -175,7 +203,7 @@ def _ip_family(host: str) -> int | None:
         return None
 
 
-class EtcdStore:
+class EtcdStore(Store):
     """`Store` on etcd v3 through aetcd (asyncio, grpc.aio). Every call is bounded by `timeout`."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0) -> None:
@@ -219,71 +247,33 @@ class EtcdStore:
             for op in also
         ]
 
-    async def create(
-        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
-    ) -> bytes | None:
-        k = key.encode()
+    async def _commit(self, write: _Write) -> tuple[bool, bytes | None]:
+        k = write.key.encode()
+        lease = write.lease.id if write.lease else None
         tx = self._client.transactions
+        compare = []
+        if write.new:
+            compare.append(tx.create(k) == 0)
+        if write.expected is not None:
+            compare.append(tx.value(k) == write.expected)
+        if write.present is not None:
+            compare.append(tx.version(write.present.encode()) > 0)
+        if write.absent is not None:
+            compare.append(tx.version(write.absent.encode()) == 0)
+        if not compare and not write.also:
+            await self._call(self._client.put(k, write.value, lease=lease))
+            return True, None
         ok, responses = await self._call(
             self._client.transaction(
-                compare=[tx.create(k) == 0],
-                success=[tx.put(k, value, lease=lease.id if lease else None), *self._ops(also)],
-                failure=[tx.get(k)],
-            )
-        )
-        if ok:
-            return None
-        found = responses[0] if responses else []
-        return found[0][0] if found else b""
-
-    async def replace(
-        self,
-        key: str,
-        expected: bytes,
-        value: bytes,
-        lease: Lease | None = None,
-        *,
-        also: Also = (),
-        present: str | None = None,
-        absent: str | None = None,
-    ) -> bool:
-        k = key.encode()
-        tx = self._client.transactions
-        compare = [tx.value(k) == expected]
-        if present is not None:
-            compare.append(tx.version(present.encode()) > 0)
-        if absent is not None:
-            compare.append(tx.version(absent.encode()) == 0)
-        ok, _ = await self._call(
-            self._client.transaction(
                 compare=compare,
-                success=[tx.put(k, value, lease=lease.id if lease else None), *self._ops(also)],
-                failure=[],
+                success=[tx.put(k, write.value, lease=lease), *self._ops(write.also)],
+                failure=[tx.get(k)] if write.new else [],
             )
         )
-        return bool(ok)
-
-    async def put(
-        self,
-        key: str,
-        value: bytes,
-        lease: Lease | None = None,
-        *,
-        also: Also = (),
-        present: str | None = None,
-    ) -> bool:
-        if not also and present is None:
-            await self._call(self._client.put(key.encode(), value, lease=lease.id if lease else None))
-            return True
-        tx = self._client.transactions
-        ok, _ = await self._call(
-            self._client.transaction(
-                compare=[tx.version(present.encode()) > 0] if present is not None else [],
-                success=[tx.put(key.encode(), value, lease=lease.id if lease else None), *self._ops(also)],
-                failure=[],
-            )
-        )
-        return bool(ok)
+        if ok or not write.new:
+            return bool(ok), None
+        found = responses[0] if responses else []
+        return False, found[0][0] if found else b""
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         result = await self._call(self._client.get_prefix(prefix.encode()))
@@ -354,7 +344,7 @@ class RetentionLeases:
         return self._lease
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """In-process `Store` for unit tests of logic written against the interface (no expiry)."""
 
     def __init__(self) -> None:
@@ -369,48 +359,18 @@ class MemoryStore:
             else:
                 self.data.pop(op.key, None)
 
-    async def create(
-        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
-    ) -> bytes | None:
-        if key in self.data:
-            return self.data[key]
-        self.data[key] = value
-        self._apply(also)
-        return None
-
-    async def replace(
-        self,
-        key: str,
-        expected: bytes,
-        value: bytes,
-        lease: Lease | None = None,
-        *,
-        also: Also = (),
-        present: str | None = None,
-        absent: str | None = None,
-    ) -> bool:
-        if self.data.get(key) != expected or (present is not None and present not in self.data):
-            return False
-        if absent is not None and absent in self.data:
-            return False
-        self.data[key] = value
-        self._apply(also)
-        return True
-
-    async def put(
-        self,
-        key: str,
-        value: bytes,
-        lease: Lease | None = None,
-        *,
-        also: Also = (),
-        present: str | None = None,
-    ) -> bool:
-        if present is not None and present not in self.data:
-            return False
-        self.data[key] = value
-        self._apply(also)
-        return True
+    async def _commit(self, write: _Write) -> tuple[bool, bytes | None]:
+        if write.new and write.key in self.data:
+            return False, self.data[write.key]
+        if write.expected is not None and self.data.get(write.key) != write.expected:
+            return False, None
+        if write.present is not None and write.present not in self.data:
+            return False, None
+        if write.absent is not None and write.absent in self.data:
+            return False, None
+        self.data[write.key] = write.value
+        self._apply(write.also)
+        return True, None
 
     async def get(self, key: str) -> bytes | None:
         return self.data.get(key)

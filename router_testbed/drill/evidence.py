@@ -8,7 +8,8 @@ hooks run against a replica meanwhile. The verdicts (`verdicts.py`) are function
 The SSE reading here is an independent oracle on purpose: it does not use the product's scanner
 (`router_sidecar.core.sse`), because the drill judges that scanner's accounting (first delta, delivered
 count) and must not share its mistakes. It reads bytes the way an OpenAI client does: an event ends at a
-blank line, its ``data:`` lines joined, a comment or keep-alive carries no data.
+blank line, its ``data:`` lines joined, a comment or keep-alive carries no data. What a content event is,
+and its text, it reads with `router_testbed.oracle`, as the test suite's invariants do.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-DONE = "[DONE]"
-TERMINAL_PHASES = frozenset({"completed", "interrupted", "cancelled", "rejected", "failed"})
+from router_testbed.oracle import DONE, TERMINAL_PHASES, is_content, piece_text
+
 # Trace events that close a request's story: a look-up may show a terminal phase a moment before the trace
 # holds its closing event, so the drill waits for both.
 CLOSING_EVENTS = frozenset(
@@ -263,33 +264,6 @@ class StreamView:
 
     def first_content_at(self) -> float | None:
         return next((e.t for e in self.events if e.kind == "content"), None)
-
-
-def is_content(payload: Any) -> bool:
-    """DESIGN §2 "first delta": non-empty delta.content, any delta.tool_calls, delta.reasoning_content, or
-    text (completions). A role-only chunk or an empty delta is not content."""
-    if not isinstance(payload, dict):
-        return False
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return False
-    choice = choices[0]
-    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-    return bool(
-        delta.get("content")
-        or delta.get("tool_calls")
-        or delta.get("reasoning_content")
-        or choice.get("text")
-    )
-
-
-def piece_text(payload: dict[str, Any]) -> str:
-    choice = payload["choices"][0]
-    if isinstance(choice.get("delta"), dict):
-        content = choice["delta"].get("content")
-        return content if isinstance(content, str) else ""
-    text = choice.get("text")
-    return text if isinstance(text, str) else ""
 
 
 def _classify(data: Any) -> EventKind:

@@ -18,6 +18,7 @@ for simulated replicas, the replica's own log:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable, Iterable
@@ -25,10 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router_testbed.drill.evidence import DONE, Exchange, HookRun, StreamView, read_stream
+from router_testbed.oracle import INTERRUPTED, RAW_REPLICA_ERROR_MARKERS, attempt_times
 
-INTERRUPTED = "upstream_decode_interrupted"
-# Text only a replica writes: its raw error must never reach a client as the gateway's answer.
-RAW_REPLICA_ERROR_MARKERS = (b"EngineCore encountered an issue",)
 # Journal events that mean the gateway treated the attempt as failed or lost.
 FAILOVER_EVENTS = frozenset({"attempt_failed", "retry_triggered", "replica_lost", "attempt_fenced"})
 
@@ -224,16 +223,8 @@ def check_leases(v: Verdict, x: Exchange) -> None:
     if len(x.attempts) < 2:
         return
     problems = []
-    started = {
-        e.get("attempt"): float(e["t"])
-        for e in x.trace
-        if e.get("event") == "attempt_started" and isinstance(e.get("t"), int | float)
-    }
-    fenced = {
-        e.get("attempt"): float(e["t"])
-        for e in x.trace
-        if e.get("event") == "attempt_fenced" and isinstance(e.get("t"), int | float)
-    }
+    started = attempt_times(x.trace, "attempt_started")
+    fenced = attempt_times(x.trace, "attempt_fenced")
     for earlier, later in itertools.pairwise(x.attempts):
         n, m = earlier.get("attempt"), later.get("attempt")
         revoked, granted = _lease(earlier).get("revoked_at"), _lease(later).get("granted_at")
@@ -544,22 +535,30 @@ def _missing(v: Verdict, label: str) -> Verdict:
     return v
 
 
-def judge_healthy(ev: Evidence) -> Verdict:
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
+def _judge_of_main(judge: Callable[[Verdict, Exchange, Evidence], None]) -> Judge:
+    """The judge of a scenario of one request: `judge` adds its checks of that request (`ev.main`) to a new
+    verdict; a scenario that recorded no request fails with one check that says so."""
+
+    @functools.wraps(judge)
+    def judge_evidence(ev: Evidence) -> Verdict:
+        v = Verdict()
+        if ev.main is None:
+            return _missing(v, "request")
+        judge(v, ev.main, ev)
+        return v
+
+    return judge_evidence
+
+
+@_judge_of_main
+def judge_healthy(v: Verdict, x: Exchange, ev: Evidence) -> None:
     check_complete(v, x, attempts=1)
     check_replica_log(v, x, ev)
-    return v
 
 
-def judge_retried(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_retried(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """A failure before the first delta: retried invisibly, one complete answer from the second attempt."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     check_complete(v, x, attempts=2)
     check_retried(v, x)
     check_replica_log(v, x, ev)
@@ -572,15 +571,11 @@ def judge_retried(ev: Evidence) -> Verdict:
             "attempt 1's replica record: "
             + str([(r.get("outcome"), r.get("faults_fired"), r.get("content_events_written")) for r in ends]),
         )
-    return v
 
 
-def judge_death_after_first_delta(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_death_after_first_delta(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """The replica dies after the first delta: the prefix, then a reset or one terminal frame; no retry."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     if not ev.sim:
         kill = check_hook(v, ev, "kill")
         view = read_stream(x) if x.is_event_stream else None
@@ -595,28 +590,20 @@ def judge_death_after_first_delta(ev: Evidence) -> Verdict:
         )
     check_interrupted(v, x, allow_reset=True, content_before_fault=ev.expect.get("content_before_fault"))
     check_replica_log(v, x, ev)
-    return v
 
 
-def judge_frame_after_first_delta(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_frame_after_first_delta(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """The upstream ends wrongly after the first delta (clean end without [DONE], an in-band error): the
     prefix, then exactly one terminal frame and [DONE]; the replica's own error never reaches the client."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     check_interrupted(v, x, allow_reset=False, content_before_fault=ev.expect.get("content_before_fault"))
     check_replica_log(v, x, ev)
-    return v
 
 
-def judge_frozen_after_first_delta(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_frozen_after_first_delta(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """The serving replica freezes after the first delta (alive, silent): the gateway loses it and ends the
     stream with one terminal frame within a bounded time; the journal says why."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     freeze = check_hook(v, ev, "freeze")
     check_interrupted(v, x, allow_reset=False)
     names = _trace_names(x)
@@ -635,16 +622,12 @@ def judge_frozen_after_first_delta(ev: Evidence) -> Verdict:
             took <= bound if bound else True,
             f"ended {took:.2f}s after the freeze",
         )
-    return v
 
 
-def judge_frozen_in_prefill(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_frozen_in_prefill(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """The replica holding the request freezes before any content: lost, fenced (proof: cancel ack or lease
     expiry), and only then retried elsewhere; one complete answer."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     freeze = check_hook(v, ev, "freeze")
     check_complete(v, x, attempts=2)
     check_retried(v, x)
@@ -668,17 +651,13 @@ def judge_frozen_in_prefill(ev: Evidence) -> Verdict:
         f"{[(e.get('t'), e.get('proof'), e.get('waited_ms')) for e in fenced]}, attempt 2 started "
         f"{[e.get('t') for e in started]}",
     )
-    return v
 
 
-def judge_client_disconnect(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_client_disconnect(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """The client leaves mid-stream: the attempt is cancelled (the replica sees it go) and no other starts."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
-        return v
+        return
     view = read_stream(x)
     v.check(
         "client: it left mid-stream, after content and before [DONE]",
@@ -705,7 +684,7 @@ def judge_client_disconnect(ev: Evidence) -> Verdict:
     if ev.sim:
         if not x.replica_records:
             v.note("no replica log given (--replica-log): the replica-side cancel was not checked")
-            return v
+            return
         starts = [r for r in x.replica_records if r.get("event") == "start"]
         gone = [r for r in _ends(x) if r.get("client_gone_at") is not None]
         v.check(
@@ -720,15 +699,11 @@ def judge_client_disconnect(ev: Evidence) -> Verdict:
             not late_starts,
             f"{len(late_starts)} began after {left:.3f}" if late_starts else "none",
         )
-    return v
 
 
-def judge_slow_replica(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_slow_replica(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """A slow prefill is not a failure: one attempt, one complete answer, late; no retry, no fence."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     view = check_complete(v, x, attempts=1)
     names = _trace_names(x)
     v.check(
@@ -746,15 +721,11 @@ def judge_slow_replica(ev: Evidence) -> Verdict:
             f"first content {waited:.2f}s after the request" if waited is not None else "no content",
         )
     check_replica_log(v, x, ev)
-    return v
 
 
-def judge_all_replicas_fail(ev: Evidence) -> Verdict:
+@_judge_of_main
+def judge_all_replicas_fail(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """Every attempt fails before content: one JSON error naming the request; nothing of a dead attempt."""
-    v = Verdict()
-    x = ev.main
-    if x is None:
-        return _missing(v, "request")
     check_json_error(v, x, statuses=(502, 503), code=ev.expect.get("code", "retries_exhausted"))
     if check_record(v, x):
         check_journal(v, x, "failed", ev.expect.get("code", "retries_exhausted"), first_delta=False)
@@ -768,7 +739,6 @@ def judge_all_replicas_fail(ev: Evidence) -> Verdict:
         )
         check_leases(v, x)
     check_replica_log(v, x, ev)
-    return v
 
 
 def judge_duplicate_key(ev: Evidence) -> Verdict:
