@@ -29,6 +29,14 @@ if [ ! -f "$TOOLS/xds/.version" ] || [ "$(cat "$TOOLS/xds/.version")" != "$xds_v
   rm -rf "$TOOLS/xds-full"
   echo "$xds_version" > "$TOOLS/xds/.version"
 fi
+# protoc (grpcio-tools, without its dependencies: it pins an older protobuf) aside in .tools/protoc, for
+# scripts/gen_protos.sh and tests/unit/test_wire_compat.py (the committed *_pb2 modules are its output).
+protoc_version=$(grep -E '^grpcio-tools==' requirements-tools.lock | cut -d= -f3)
+if [ "$(cat "$TOOLS/protoc/.version" 2>/dev/null)" != "$protoc_version" ]; then
+  rm -rf "$TOOLS/protoc"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$TOOLS/protoc" "grpcio-tools==$protoc_version"
+  echo "$protoc_version" > "$TOOLS/protoc/.version"
+fi
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$(pwd)/$TOOLS/xds" > "$site/router_sidecar_xds.pth"
 

@@ -19,14 +19,19 @@ its text and the contract's literals come from ``router_testbed.oracle``, which 
 generator (``testbed.sim.generation``), used to know the exact text a simulated replica produces for a
 request, so that a repeated fragment, a second answer or content of another request shows up as text that
 is not a prefix of the one generation.
+
+Every journal record read, and every terminal frame, is also checked against the published JSON Schema
+(``docs/schema/``): the contract a client in another language relies on.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from router_testbed.oracle import (
@@ -268,6 +273,22 @@ def _short(data: bytes | str, limit: int = 240) -> str:
     return repr(text[:limit] + ("…" if len(text) > limit else ""))
 
 
+SCHEMAS = Path(__file__).resolve().parents[1] / "docs/schema"
+
+
+@functools.cache
+def _schema_validator(name: str) -> Any:
+    import jsonschema  # only the checks need it
+
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / f"{name}.schema.json").read_text()))
+
+
+def schema_errors(name: str, document: Any) -> list[str]:
+    """What in `document` breaks the published schema `name` (empty: it conforms)."""
+    errors = _schema_validator(name).iter_errors(document)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in errors][:5]
+
+
 class _Check:
     def __init__(self, ev: Evidence) -> None:
         self.ev = ev
@@ -350,6 +371,9 @@ class _Check:
         if self.has_journal:
             self.check_journal_consistency()
             self.check_leases()
+            broken = schema_errors("journal-record", self.journal)
+            if broken:
+                self.flag("9", "journal-schema", f"the journal record breaks its published schema: {broken}")
         return self.violations
 
     def check_stream_shape(self) -> None:
@@ -457,6 +481,10 @@ class _Check:
     def check_terminal_frame(self) -> None:
         d = self.d
         n = len(d.content)
+        for frame in d.frames:
+            broken = schema_errors("terminal-frame", {"error": frame})
+            if broken:
+                self.flag("2", "frame-schema", f"the terminal frame breaks its published schema: {broken}")
         if len(d.frames) != 1:
             self.flag(
                 "2", "frame-count", f"{len(d.frames)} terminal error frames, not exactly one: {d.frames}"

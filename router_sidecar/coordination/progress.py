@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router_sidecar.coordination.store import EtcdStore, Store, keys
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 log = logging.getLogger(__name__)
 
@@ -107,5 +108,9 @@ class ProgressMonitor:
             tracked = self._tracked.get(attempt_id)
             if tracked is None:
                 continue
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                tracked.reported = max(tracked.reported, int(json.loads(value)["bytes"]))
+            try:
+                reported = codec.loads(rec.AttemptProgress, value).bytes
+            except codec.RecordError as exc:
+                log.warning("attempt %s: unreadable progress report ignored: %s", attempt_id, exc)
+                continue
+            tracked.reported = max(tracked.reported, reported)

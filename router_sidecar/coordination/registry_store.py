@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import struct_pb2
+
 from router_sidecar.coordination.store import PREFIX, EtcdStore, Lease, StoreUnavailable
 from router_sidecar.core.fingerprint import EngineInfo, Fingerprint, FingerprintError
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 __all__ = [
     "REPLICAS_PREFIX",
@@ -82,44 +85,69 @@ class Replica:
     draining: bool = False
 
     def to_value(self) -> bytes:
-        doc: dict[str, object] = {
-            "address": self.address,
-            "fingerprint": self.fingerprint.to_mapping(),
-            "digest": self.digest,
-            "engine": {"name": self.engine_name, "version": self.engine_version, **self.engine.to_mapping()},
-            "registered_at": self.registered_at,
-            "agent_id": self.agent_id,
-        }
-        if self.draining:  # absent otherwise: a value an older gateway reads exactly as before
-            doc["draining"] = True
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        """The `ReplicaRegistration` record (keys sorted: equal registrations are equal bytes)."""
+        adapters = self.fingerprint.lora_adapters
+        fingerprint = rec.Fingerprint(
+            **{
+                name: value
+                for name, value in self.fingerprint.to_mapping().items()
+                if name != "lora_adapters"
+            },
+            lora_adapters=None if adapters is None else struct_pb2.ListValue(values=_strings(adapters)),
+        )
+        record = rec.ReplicaRegistration(
+            address=self.address,
+            registered_at=self.registered_at,
+            agent_id=self.agent_id,
+            digest=self.digest,
+            fingerprint=fingerprint,
+            engine=rec.EngineRecord(
+                name=self.engine_name,
+                version=self.engine_version,
+                root=self.engine.root,
+                max_model_len=self.engine.max_model_len,
+                model_type=self.engine.model_type,
+            ),
+            # Absent unless draining: a value an older gateway reads exactly as before.
+            draining=True if self.draining else None,
+        )
+        return codec.dumps(record, sort_keys=True)
 
     @classmethod
     def from_value(cls, value: bytes, *, lease_id: int = 0, mod_revision: int = 0) -> Replica:
-        doc = json.loads(value)
-        fingerprint = Fingerprint.from_mapping(doc["fingerprint"])
-        engine = doc.get("engine") or {}
+        """Raises RecordError (a ValueError) or FingerprintError for a record that cannot be routed to."""
+        record = codec.loads(rec.ReplicaRegistration, value)
+        for name in ("address", "digest", "agent_id"):
+            if not getattr(record, name):
+                raise codec.RecordError(f"not a valid ReplicaRegistration: {name} is missing")
+        if not record.HasField("fingerprint"):
+            raise codec.RecordError("not a valid ReplicaRegistration: fingerprint is missing")
+        engine = record.engine
         return cls(
-            address=doc["address"],
-            fingerprint=fingerprint,
-            digest=doc["digest"],
-            engine_name=engine.get("name"),
-            engine_version=engine.get("version"),
+            address=record.address,
+            fingerprint=Fingerprint.from_mapping(codec.to_dict(record.fingerprint)),
+            digest=record.digest,
+            engine_name=engine.name if engine.HasField("name") else None,
+            engine_version=engine.version if engine.HasField("version") else None,
             engine=EngineInfo(
-                root=engine.get("root"),
-                max_model_len=engine.get("max_model_len"),
-                model_type=engine.get("model_type"),
+                root=engine.root if engine.HasField("root") else None,
+                max_model_len=engine.max_model_len if engine.HasField("max_model_len") else None,
+                model_type=engine.model_type if engine.HasField("model_type") else None,
             ),
-            registered_at=float(doc["registered_at"]),
-            agent_id=doc["agent_id"],
+            registered_at=record.registered_at,
+            agent_id=record.agent_id,
             lease_id=lease_id,
             mod_revision=mod_revision,
-            draining=doc.get("draining") is True,
+            draining=record.draining,
         )
 
     def same_content(self, other: Replica) -> bool:
         """Equal except for ``registered_at``: re-publishing it would be a no-op for routing."""
         return self.to_value() == dataclasses.replace(other, registered_at=self.registered_at).to_value()
+
+
+def _strings(values: tuple[str, ...]) -> list[struct_pb2.Value]:
+    return [struct_pb2.Value(string_value=v) for v in values]
 
 
 def _parse(key: bytes, value: bytes, lease_id: int, mod_revision: int) -> Replica | None:

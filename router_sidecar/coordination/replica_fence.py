@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from router_sidecar.coordination.store import EtcdStore, RetentionLeases, StoreUnavailable, keys
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +123,15 @@ class CancelAcks:
         self._tasks: set[asyncio.Task[bool]] = set()
 
     def write(self, attempt_id: str, reason: str) -> asyncio.Task[bool]:
-        record = {"attempt_id": attempt_id, "reason": reason, "at": round(time.time(), 6)}
+        record = rec.CancelAck(attempt_id=attempt_id, reason=reason, at=round(time.time(), 6))
         task = asyncio.get_running_loop().create_task(self._write(attempt_id, record))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _write(self, attempt_id: str, record: dict[str, object]) -> bool:
+    async def _write(self, attempt_id: str, record: rec.CancelAck) -> bool:
         deadline = time.monotonic() + self._retry_seconds
-        value = json.dumps(record).encode()
+        value = codec.dumps(record)
         delay = 0.05
         while True:
             try:
@@ -138,7 +139,7 @@ class CancelAcks:
                 with contextlib.suppress(StoreUnavailable):
                     lease = await self._retention.current()
                 await self._store.put(keys.cancel_ack(attempt_id), value, lease)
-                log.info("cancel ack %s written (%s)", attempt_id, record["reason"])
+                log.info("cancel ack %s written (%s)", attempt_id, record.reason)
                 return True
             except StoreUnavailable as exc:
                 if time.monotonic() + delay >= deadline:

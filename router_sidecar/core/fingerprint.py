@@ -114,6 +114,8 @@ def _positive_int(field: str, value: Any) -> int:
         raise FingerprintError(field, f"must be an integer, got {type(value).__name__}")
     if value < 1:
         raise FingerprintError(field, f"must be ≥ 1, got {value}")
+    if value >= 2**63:  # the registry record's integer (no real engine comes near)
+        raise FingerprintError(field, f"must be < 2^63, got {value}")
     return value
 
 

@@ -257,6 +257,10 @@ def parse_request(
     opts = opts or {}
     include_usage = opts.get("include_usage") is True
 
+    seed = _opt_int(req.get("seed"))
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        # vLLM takes a 64-bit seed and answers 400 for any other; the journal records it as one.
+        _reject(400, "invalid_parameter", "`seed` must be a 64-bit signed integer.", "seed")
     tools = req.get("tools")
     functions = req.get("functions")
     max_tokens = req.get("max_tokens")
@@ -268,7 +272,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         continuous_usage=include_usage and opts.get("continuous_usage_stats") is True,
-        seed=_opt_int(req.get("seed")),
+        seed=seed,
         max_tokens=_opt_int(max_tokens),
         has_tools=bool(tools) or bool(functions),
         estimated_prompt_tokens=estimate_prompt_tokens(kind, req),

@@ -13,6 +13,7 @@ from typing import Any
 
 from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.request import TERMINAL_PHASES, Phase
+from router_sidecar.core.views import journal_event
 
 _TERMINAL = {phase.value for phase in TERMINAL_PHASES}
 
@@ -24,13 +25,16 @@ def close_lost_record(
     if record.get("phase") in _TERMINAL or record.get("owner") != owner:
         return None
     phase = Phase.INTERRUPTED if record.get("first_delta_sent") else Phase.FAILED
-    event = {
-        "t": round(now, 6),
-        "event": EventName.GATEWAY_LOST.value,
-        "owner": owner,
-        "closed_by": closed_by,
-        "delivered_output_tokens": record.get("delivered_output_tokens", 0),
-    }
+    event = journal_event(
+        {
+            "t": round(now, 6),
+            "event": EventName.GATEWAY_LOST.value,
+            "owner": owner,
+            "closed_by": closed_by,
+            "delivered_output_tokens": record.get("delivered_output_tokens", 0),
+        }
+    )
+    # The record stays the dict it was read as: fields a newer gateway wrote are kept as they are.
     return {
         **record,
         "phase": phase.value,

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router_sidecar.core import bounded_json
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 __all__ = [
     "DONE_EVENT",
@@ -73,18 +75,18 @@ def terminal_error_frame(
     Same ``data: {"error": {...}}`` shape (with spaces) that vLLM writes for an in-band error,
     so clients that already handle vLLM's mid-stream errors handle this one too.
     """
-    obj = {
-        "error": {
-            "code": "upstream_decode_interrupted",
-            "message": message,
-            "request_id": request_id,
-            "partial_output": True,
-            "delivered_output_tokens": delivered_output_tokens,
-            "retryable": False,
-        }
-    }
+    frame = rec.TerminalFrame(
+        error=rec.TerminalError(
+            code="upstream_decode_interrupted",
+            message=message,
+            request_id=request_id,
+            partial_output=True,
+            delivered_output_tokens=delivered_output_tokens,
+            retryable=False,
+        )
+    )
     # json.dumps never writes a raw newline, so the object stays on one data line.
-    return b"data: " + json.dumps(obj).encode("ascii") + b"\n\n" + DONE_EVENT
+    return b"data: " + json.dumps(codec.to_dict(frame)).encode("ascii") + b"\n\n" + DONE_EVENT
 
 
 # --- classification --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Views of the machines, for the client and for the journal: the JSON error bodies and the journal record.
 
-Rendering only: nothing here decides anything. The machines (`attempt.py`, `request.py`) hold the facts.
+Rendering only: nothing here decides anything. The machines (`attempt.py`, `request.py`) hold the facts; the
+shapes are the messages of proto/router_sidecar/records/records.proto, written with their JSON mapping.
 """
 
 from __future__ import annotations
@@ -10,41 +11,42 @@ from typing import Any
 
 from router_sidecar.core.attempt import Attempt, AttemptState, FailRequest
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 
-def attempt_record(attempt: Attempt, request_phase: Phase) -> dict[str, Any]:
+def attempt_record(attempt: Attempt, request_phase: Phase) -> rec.AttemptRecord:
     outcome = attempt.state.value
     if attempt.state is AttemptState.RELEASED and request_phase in TERMINAL_PHASES:
         # The publishing attempt ends with its request: it completed, or was interrupted or cancelled.
         outcome = request_phase.value
     lease = attempt.lease
-    return {
-        "attempt": attempt.number,
-        "attempt_id": attempt.attempt_id,
-        "replica": attempt.replica,
-        "outcome": outcome,
-        "detail": attempt.failure.value if attempt.failure else None,
-        "status": attempt.status,
-        "lease": lease.as_record() if lease is not None else None,
-        "fence": attempt.fence,
-    }
+    return rec.AttemptRecord(
+        attempt=attempt.number,
+        attempt_id=attempt.attempt_id,
+        replica=attempt.replica,
+        outcome=outcome,
+        detail=attempt.failure.value if attempt.failure else None,
+        status=attempt.status,
+        lease=rec.LeaseRecord(**lease.as_record()) if lease is not None else None,
+        fence=rec.FenceRecord(**attempt.fence) if attempt.fence is not None else None,
+    )
 
 
 def error_body(request: LogicalRequest, verdict: FailRequest) -> bytes:
     """The one JSON error a client gets when no content was delivered: names the request and why."""
-    return json.dumps(
-        {
-            "error": {
-                "code": str(verdict.code),
-                "message": verdict.message,
-                "type": "gateway_error",
-                "request_id": request.request_id,
-                "attempts": [attempt_record(a, request.phase) for a in request.attempts],
-                "partial_output": False,
-                "retryable": True,
-            }
-        }
-    ).encode()
+    body = rec.GatewayErrorBody(
+        error=rec.GatewayError(
+            code=str(verdict.code),
+            message=verdict.message,
+            type="gateway_error",
+            request_id=request.request_id,
+            attempts=[attempt_record(a, request.phase) for a in request.attempts],
+            partial_output=False,
+            retryable=True,
+        )
+    )
+    return json.dumps(codec.to_dict(body)).encode()
 
 
 def error_headers(request: LogicalRequest, verdict: FailRequest) -> list[tuple[str, str]]:
@@ -54,30 +56,42 @@ def error_headers(request: LogicalRequest, verdict: FailRequest) -> list[tuple[s
     return headers
 
 
-def journal_view(request: LogicalRequest) -> dict[str, Any]:
+def journal_record(request: LogicalRequest) -> rec.JournalRecord:
+    """The journal record of the request without what the journal adds (gateway, owner, events, time)."""
     parsed = request.parsed
-    view: dict[str, Any] = {
-        "request_id": request.request_id,
-        "phase": request.phase.value,
-        "outcome": request.outcome.value if request.outcome else None,
-        "attempt": len(request.attempts),
-        "first_delta_sent": request.first_delta_sent,
-        "model": parsed.model,
-        "model_revision": request.model_revision,
-        "fingerprint_digest": request.fingerprint_digest,
-        "retry_budget": request.retry_budget,
-        "delivered_output_tokens": request.delivered_output_tokens,
-        "delivered_output_tokens_source": request.delivered_tokens_source,
-        "attempts": [attempt_record(a, request.phase) for a in request.attempts],
-        "tool_calls": list(request.tool_calls.values()),
-        "input": {
-            "route": parsed.kind.value,
-            "digest": parsed.input_digest,
-            "seed": parsed.seed,
-            "stream": parsed.stream,
-            "estimated_prompt_tokens": parsed.estimated_prompt_tokens,
-        },
-    }
-    if request.tool_calls_dropped:
-        view["tool_calls_not_listed"] = request.tool_calls_dropped
-    return view
+    return rec.JournalRecord(
+        request_id=request.request_id,
+        phase=request.phase.value,
+        outcome=request.outcome.value if request.outcome else None,
+        attempt=len(request.attempts),
+        first_delta_sent=request.first_delta_sent,
+        model=parsed.model,
+        model_revision=request.model_revision,
+        fingerprint_digest=request.fingerprint_digest,
+        retry_budget=request.retry_budget,
+        delivered_output_tokens=request.delivered_output_tokens,
+        delivered_output_tokens_source=request.delivered_tokens_source,
+        attempts=[attempt_record(a, request.phase) for a in request.attempts],
+        tool_calls=[
+            rec.ToolCallRecord(key=call["key"], events=[rec.JournalEvent(**e) for e in call["events"]])
+            for call in request.tool_calls.values()
+        ],
+        input=rec.InputRecord(
+            route=parsed.kind.value,
+            digest=parsed.input_digest,
+            seed=parsed.seed,
+            stream=parsed.stream,
+            estimated_prompt_tokens=parsed.estimated_prompt_tokens,
+        ),
+        tool_calls_not_listed=request.tool_calls_dropped or None,
+    )
+
+
+def journal_view(request: LogicalRequest) -> dict[str, Any]:
+    """`journal_record` as JSON-ready data (for tests and tools; the journal adds its own fields first)."""
+    return codec.to_dict(journal_record(request))
+
+
+def journal_event(event: dict[str, Any]) -> dict[str, Any]:
+    """One event of the trace (`Event.as_record`) as the journal writes it (a `JournalEvent`)."""
+    return codec.to_dict(rec.JournalEvent(**event))

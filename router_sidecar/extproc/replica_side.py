@@ -31,11 +31,11 @@ from router_sidecar.coordination.replica_fence import (
 )
 from router_sidecar.coordination.store import EtcdStore, Lease, StoreUnavailable, keys
 from router_sidecar.extproc import messages as m
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 
 log = logging.getLogger(__name__)
 
-ATTEMPT_HEADER = "x-attempt-id"
-LEASE_HEADER = "x-attempt-lease"
 # The first check runs while Envoy holds the request headers (its message_timeout is 5 s).
 FIRST_CHECK_TIMEOUT = 2.0
 PROGRESS_INTERVAL_SECONDS = 1.0  # how often an attempt's forwarded byte count goes to etcd (if it changed)
@@ -77,15 +77,16 @@ class FenceStream:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "expected request_headers first")
             return
         headers = m.header_map(first.request_headers)
-        attempt_id = headers.get(ATTEMPT_HEADER, "").strip()
-        lease_id = parse_lease_header(headers.get(LEASE_HEADER))
+        sent = codec.from_headers(rec.AttemptHeaders, headers)
+        attempt_id = sent.attempt_id
+        lease_id = parse_lease_header(sent.attempt_lease)
         if attempt_id and lease_id is not None:
             guard = AttemptGuard(self._owner.store, attempt_id, lease_id, margin=self._owner.margin)
             if not await self._admit(guard):
                 return
             self._guard = guard
-        elif attempt_id and headers.get(LEASE_HEADER):
-            log.warning("attempt %s: unreadable %s %r", attempt_id, LEASE_HEADER, headers.get(LEASE_HEADER))
+        elif attempt_id and sent.attempt_lease:
+            log.warning("attempt %s: unreadable x-attempt-lease %r", attempt_id, sent.attempt_lease)
         await context.write(m.request_headers_reply())
         loop = asyncio.get_running_loop()
         helpers = (
@@ -170,7 +171,7 @@ class FenceStream:
         if self._forwarded == self._reported:
             return
         forwarded = self._forwarded
-        record = json.dumps({"bytes": forwarded, "at": round(time.time(), 3)}).encode()
+        record = codec.dumps(rec.AttemptProgress(bytes=forwarded, at=round(time.time(), 3)))
         with contextlib.suppress(StoreUnavailable):  # cut off from etcd: the local deadline stops it anyway
             await self._owner.store.put(keys.progress(guard.attempt_id), record, Lease(guard.lease_id, 0))
             self._reported = forwarded

@@ -29,6 +29,8 @@ from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.discovery import compatible_alternatives, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
+from router_sidecar.records import codec
+from router_sidecar.records import records_pb2 as rec
 from router_sidecar.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -81,16 +83,13 @@ class UpstreamStream:
         self._journal.update(request)  # also opens the attempt's span: its context goes to the replica
         telemetry = self._services.telemetry
         logs.bind(request_id=request_id, attempt_id=attempt.attempt_id, trace_id=telemetry.trace_id(request))
-        lease_header = f"{attempt.lease.lease.id:x}" if attempt.lease.lease else ""
-        headers = [
-            ("x-request-id", request_id),
-            ("x-attempt-id", attempt.attempt_id),
-            ("x-attempt-lease", lease_header),
-        ]
-        traceparent = telemetry.traceparent(request, attempt.number)
-        if traceparent is not None:
-            headers.append(("traceparent", traceparent))
-        await context.write(m.request_headers_reply(m.header_mutation(headers)))
+        attempt_headers = rec.AttemptHeaders(
+            request_id=request_id,
+            attempt_id=attempt.attempt_id,
+            attempt_lease=f"{attempt.lease.lease.id:x}" if attempt.lease.lease else "",
+            traceparent=telemetry.traceparent(request, attempt.number),
+        )
+        await context.write(m.request_headers_reply(m.header_mutation(codec.to_headers(attempt_headers))))
 
         async def replica_lost(cause: str) -> None:
             self._feed(request, attempt, a.LivenessLost(cause))

@@ -462,7 +462,7 @@ def test_view_of_a_live_request() -> None:
 
 
 def _tool_event(n: int, key: str = "k") -> ToolCallNoted:
-    return ToolCallNoted(EventName.TOOL_CALL_REPLAYED, key, 1, {"n": n})
+    return ToolCallNoted(EventName.TOOL_CALL_REPLAYED, key, 1, {"status": n})
 
 
 def test_trace_keeps_the_first_and_last_events_and_counts_the_dropped() -> None:
@@ -484,9 +484,9 @@ def test_trace_keeps_the_first_and_last_events_and_counts_the_dropped() -> None:
         assert len(events) == max_events + 1  # the kept ones and the marker
         head, marker, tail = events[:16], events[16], events[17:]
         assert head[0]["event"] == "request_accepted"
-        assert [e["n"] for e in head[1:]] == list(range(15))
+        assert [e["status"] for e in head[1:]] == list(range(15))
         assert marker == {"event": "events_dropped", "count": emitted - max_events}
-        assert [e["n"] for e in tail] == list(range(100 - 16, 100))  # the last ones, in order
+        assert [e["status"] for e in tail] == list(range(100 - 16, 100))  # the last ones, in order
 
     run(go)
 
@@ -516,7 +516,7 @@ def test_thousands_of_tool_calls_still_encode_far_below_one_mib() -> None:
         failed(r, attempt_id="a1")
         released(r, "a2", "r2")
         started(r)
-        detail = {"tool": "web_search", "status": 200, "duration_ms": 12.5, "attempt_id": "a2"}
+        detail = {"status": 200, "stored": True, "attempt_id": "a2", "code": "web_search"}
         for n in range(5000):
             key = f"{n:06d}:" + "k" * 193  # the longest key the gateway accepts (200 characters)
             for name in (
@@ -664,11 +664,11 @@ def test_late_news_is_written_until_the_entry_is_forgotten(monkeypatch: pytest.M
         await settle()
         assert len(store.puts) == writes
         # News after the end (here: a tool call the record lists) is written while the entry is kept.
-        r.tool_calls["k"] = {"key": "k"}
+        r.tool_calls["k"] = {"key": "k", "events": []}
         j.update(r)
         await settle()
         assert len(store.puts) == writes + 1 and stored(store, "tenant-a", "idem-1")["tool_calls"] == [
-            {"key": "k"}
+            {"key": "k", "events": []}
         ]
         await asyncio.sleep(0.1)
         assert j._entries == {}  # forgotten after the grace period: later news is not written

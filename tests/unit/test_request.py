@@ -1238,7 +1238,7 @@ def test_tool_calls_beyond_the_cap_are_counted_not_listed() -> None:
     request = new_request(policy)
     request.drain_events()
     for key in ("k1", "k2", "k3", "k4"):
-        decision = request.handle(ToolCallNoted(EventName.TOOL_CALL_CLAIMED, key, 1, {"tool": "search"}))
+        decision = request.handle(ToolCallNoted(EventName.TOOL_CALL_CLAIMED, key, 1, {"status": 200}))
         assert decision == NoAction()
     for _ in range(20):
         request.handle(ToolCallNoted(EventName.TOOL_CALL_REPLAYED, "k1", 1))
@@ -1247,7 +1247,7 @@ def test_tool_calls_beyond_the_cap_are_counted_not_listed() -> None:
     assert request.tool_calls_dropped == 3
     k1 = request.tool_calls["k1"]
     assert len(k1["events"]) == 16  # one key's flood is not listed whole
-    assert k1["events"][0] == {"event": "tool_call_claimed", "attempt": 1, "tool": "search"}
+    assert k1["events"][0] == {"event": "tool_call_claimed", "attempt": 1, "status": 200}
     view = views.journal_view(request)
     assert [t["key"] for t in view["tool_calls"]] == ["k1", "k2"]
     assert view["tool_calls_not_listed"] == 3

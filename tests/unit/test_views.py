@@ -234,9 +234,12 @@ def test_journal_view_of_a_completed_request() -> None:
     request = new_request()
     request.pin("sha256:abc", "rev-7")
     _completed(request)
-    request.handle(ToolCallNoted(EventName.TOOL_CALL_EXECUTED, "k1", 1, {"tool": "search"}))
+    request.handle(ToolCallNoted(EventName.TOOL_CALL_EXECUTED, "k1", 1, {"status": 200}))
     view = views.journal_view(request)
-    assert {k: view[k] for k in view if k not in ("attempts", "tool_calls", "input")} == {
+    added_by_the_journal = ("gateway", "events", "updated_at")
+    assert {
+        k: view[k] for k in view if k not in ("attempts", "tool_calls", "input", *added_by_the_journal)
+    } == {
         "request_id": RID,
         "phase": "completed",
         "outcome": "completed",
@@ -250,7 +253,7 @@ def test_journal_view_of_a_completed_request() -> None:
         "delivered_output_tokens_source": "content_events",
     }
     assert view["tool_calls"] == [
-        {"key": "k1", "events": [{"event": "tool_call_executed", "attempt": 1, "tool": "search"}]}
+        {"key": "k1", "events": [{"event": "tool_call_executed", "attempt": 1, "status": 200}]}
     ]
     assert view["input"] == {
         "route": "chat.completions",

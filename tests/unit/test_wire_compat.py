@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -38,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 WIRE_MODULES = (core_pb2, ext_proc_pb2, access_log_pb2, discovery_pb2)
 OUR_FILES: tuple[FileDescriptor, ...] = tuple(mod.DESCRIPTOR for mod in WIRE_MODULES)
 OUR_PACKAGE = "router_sidecar.wire.v1"
+# Where proto/router_sidecar/<package>/*.proto are generated to (router_sidecar/<package>/).
+GENERATED_PACKAGES = ("wire", "records")
 
 # The messages the sidecar exchanges with Envoy, and Envoy's name for each; everything else is reached
 # from these through field types.
@@ -528,11 +529,13 @@ def test_access_log_flags_are_classified(envoy: dict[str, ModuleType]) -> None:
 # --- the generated modules --------------------------------------------------------------------------------
 
 
-def test_every_proto_has_its_generated_module() -> None:
-    protos = {p.stem for p in (REPO / "proto/router_sidecar/wire").glob("*.proto")}
-    generated = {p.name for p in (REPO / "router_sidecar/wire").glob("*_pb2.py*")}
+@pytest.mark.parametrize("package", GENERATED_PACKAGES)
+def test_every_proto_has_its_generated_module(package: str) -> None:
+    protos = {p.stem for p in (REPO / "proto/router_sidecar" / package).glob("*.proto")}
+    generated = {p.name for p in (REPO / "router_sidecar" / package).glob("*_pb2.py*")}
     assert generated == {f"{stem}_pb2.{ext}" for stem in protos for ext in ("py", "pyi")}
-    assert {mod.__name__.rsplit(".", 1)[1] for mod in WIRE_MODULES} == {f"{stem}_pb2" for stem in protos}
+    if package == "wire":
+        assert {mod.__name__.rsplit(".", 1)[1] for mod in WIRE_MODULES} == {f"{stem}_pb2" for stem in protos}
 
 
 def test_import_is_silent_with_the_pinned_runtime() -> None:
@@ -544,28 +547,25 @@ def test_import_is_silent_with_the_pinned_runtime() -> None:
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 
-def test_committed_modules_match_the_generator() -> None:
+@pytest.mark.parametrize("package", GENERATED_PACKAGES)
+def test_committed_modules_match_the_generator(package: str) -> None:
     script = REPO / "scripts/gen_protos.sh"
     pinned = re.search(r"^GRPCIO_TOOLS_VERSION=(\S+)$", script.read_text(), re.M)
     assert pinned is not None
-    try:
-        have = version("grpcio-tools")
-    except PackageNotFoundError:
-        pytest.skip(
-            "grpcio-tools is not installed (scripts/gen_protos.sh brings its own in a throwaway venv)"
-        )
-    if have != pinned.group(1):
-        pytest.skip(f"grpcio-tools {have} is installed, scripts/gen_protos.sh pins {pinned.group(1)}")
+    protoc = REPO / ".tools/protoc"  # scripts/setup.sh installs it there
+    if not (protoc / "grpc_tools").is_dir():
+        pytest.skip("no .tools/protoc: run scripts/setup.sh (scripts/gen_protos.sh alone brings its own)")
+    assert (protoc / ".version").read_text().strip() == pinned.group(1), "run scripts/setup.sh"
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             ["bash", str(script), out],
             check=True,
             capture_output=True,
             timeout=120,
-            env={**os.environ, "GEN_PROTOS_PYTHON": sys.executable},
+            env={**os.environ, "GEN_PROTOS_PYTHON": sys.executable, "PYTHONPATH": str(protoc)},
         )
-        fresh = {p.name: p.read_bytes() for p in (Path(out) / "router_sidecar/wire").iterdir()}
-    committed = {p.name: p.read_bytes() for p in (REPO / "router_sidecar/wire").glob("*_pb2.py*")}
+        fresh = {p.name: p.read_bytes() for p in (Path(out) / "router_sidecar" / package).iterdir()}
+    committed = {p.name: p.read_bytes() for p in (REPO / "router_sidecar" / package).glob("*_pb2.py*")}
     assert sorted(fresh) == sorted(committed)
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert stale == [], "run scripts/gen_protos.sh and commit the result"
