@@ -111,7 +111,12 @@ class Sim:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
 
     def requests_for(self, request_id: str) -> list[dict[str, Any]]:
+        """The end records of the request's attempts this replica served."""
         return [r for r in self.records() if r.get("request_id") == request_id and r.get("event") == "end"]
+
+    def started_for(self, request_id: str) -> int:
+        """How many of the request's attempts reached this replica (ended or not)."""
+        return sum(r.get("request_id") == request_id and r.get("event") == "start" for r in self.records())
 
 
 class Agent:

@@ -8,11 +8,18 @@ stops on its own clock before the lease it last saw would expire. Only then may 
 
 Whether the attempt may still publish is checked from local state (`publishable`), never with an etcd
 round trip per chunk.
+
+Granting a lease is an etcd round trip (a raft write) on the way to the replica. So a few leases are granted
+ahead (policy `leases.attempt_pool_size`) and kept alive like the attempts' own: an attempt takes one and
+starts at once, and the pool is refilled in the background. A pooled lease belongs to no attempt until
+taken (its id reaches a replica only in the attempt's headers), is used once, and is given to an attempt
+only while its last refresh is recent, so the attempt's expiry bound is as tight as a fresh grant's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -68,25 +75,90 @@ class AttemptLease:
         }
 
 
+@dataclass(slots=True)
+class _Pooled:
+    """A lease granted ahead, not yet any attempt's."""
+
+    lease: Lease
+    refreshed_at: float  # monotonic time of its grant or last refresh
+
+
 class AttemptLeases:
-    def __init__(self, store: Store, ttl_seconds: int) -> None:
+    def __init__(self, store: Store, ttl_seconds: int, *, pool_size: int = 0) -> None:
         self._store = store
         self.ttl_seconds = ttl_seconds
         self._active: dict[str, AttemptLease] = {}
         self._keepalive: asyncio.Task[None] | None = None
+        self._pool_size = pool_size
+        self._pool: collections.deque[_Pooled] = collections.deque()
+        self._refill: asyncio.Task[None] | None = None
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive_loop())
+        self._refill_pool()
 
     async def stop(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
+        self._started = False
+        for task in (self._keepalive, self._refill):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        pooled, self._pool = list(self._pool), collections.deque()
+        with contextlib.suppress(StoreUnavailable, TimeoutError):  # else they expire on their own
+            async with asyncio.timeout(2.0):
+                await asyncio.gather(*(self._store.revoke_lease(p.lease) for p in pooled))
+
+    @property
+    def pooled(self) -> int:
+        return len(self._pool)
+
+    @property
+    def _refresh_interval(self) -> float:
+        return max(0.2, self.ttl_seconds / 3)
+
+    def _take_pooled(self) -> _Pooled | None:
+        """A pooled lease refreshed in the keep-alive's last round (give or take half a round): the next round
+        refreshes it again, as it would a lease granted now. Older ones are dropped (their refresh did not
+        get through)."""
+        fresh_since = time.monotonic() - 1.5 * self._refresh_interval
+        while self._pool:
+            pooled = self._pool.popleft()
+            if pooled.refreshed_at >= fresh_since:
+                return pooled
+            asyncio.get_running_loop().create_task(self._revoke_quietly(pooled.lease))
+        return None
+
+    def _refill_pool(self) -> None:
+        if self._started and self._pool_size and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
+        missing = self._pool_size - len(self._pool)
+        if missing <= 0:
+            return
+        granted = await asyncio.gather(
+            *(self._store.grant_lease(self.ttl_seconds) for _ in range(missing)), return_exceptions=True
+        )
+        for lease in granted:
+            if isinstance(lease, Lease):
+                self._pool.append(_Pooled(lease, time.monotonic()))
+            elif not isinstance(lease, StoreUnavailable):
+                log.error("attempt lease pool: unexpected grant failure: %r", lease)
+        # Refused grants (etcd away) are tried again with the next attempt's grant.
 
     async def grant(self, *, attempt_id: str, request_id: str, replica: str) -> AttemptLease:
         """A lease for a new attempt (its id travels to the replica side in `x-attempt-lease`; the journal
-        records which attempt holds it: no key of its own, one etcd write less per attempt)."""
+        records which attempt holds it: no key of its own, one etcd write less per attempt). From the pool
+        when it has one (no round trip), else granted now."""
+        pooled = self._take_pooled()
+        self._refill_pool()
+        if pooled is not None:
+            held = AttemptLease(attempt_id, pooled.lease, time.time(), pooled.refreshed_at, self.ttl_seconds)
+            self._active[attempt_id] = held
+            return held
         lease: Lease | None = None
         try:
             lease = await self._store.grant_lease(self.ttl_seconds)
@@ -101,6 +173,19 @@ class AttemptLeases:
         held = AttemptLease(attempt_id, lease, time.time(), time.monotonic(), self.ttl_seconds)
         self._active[attempt_id] = held
         return held
+
+    async def _keep_pool_alive(self) -> None:
+        for pooled in list(self._pool):
+            try:
+                remaining = await self._store.refresh_lease(pooled.lease)
+            except StoreUnavailable:
+                continue  # too old by the time it is taken: dropped then
+            if remaining > 0:
+                pooled.refreshed_at = time.monotonic()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._pool.remove(pooled)
+        self._refill_pool()
 
     async def _revoke_quietly(self, lease: Lease) -> None:
         with contextlib.suppress(StoreUnavailable):
@@ -161,9 +246,9 @@ class AttemptLeases:
         return FenceProof.LEASE_EXPIRY
 
     async def _keep_alive_loop(self) -> None:
-        interval = max(0.2, self.ttl_seconds / 3)
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self._refresh_interval)
+            await self._keep_pool_alive()
             for held in list(self._active.values()):
                 if held.lease is None or held.stopped_at is not None:
                     continue

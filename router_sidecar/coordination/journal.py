@@ -81,6 +81,7 @@ def existing_phase(record: dict[str, Any]) -> Phase | None:
 
 class _Entry:
     __slots__ = (
+        "claiming",
         "dirty",
         "dropped",
         "failures",
@@ -109,7 +110,9 @@ class _Entry:
         self.released = False  # the request left this gateway: the entry goes after a grace period
         self.finished = False  # its end was written: later news (a placement learning late) is written too
         self.in_flight_indexed = False  # its in-flight index entry exists (claimed, not yet terminal)
-        self.lost = False  # another instance closed the record (RecordTaken): write nothing more
+        self.lost = False  # the record is not ours (another run holds the id, or another instance closed it)
+        # While the claim is in flight every other write waits for it: only the claim may create the record.
+        self.claiming: asyncio.Future[None] | None = None
         self.written_at = time.monotonic()  # last write sent (progress writes are spaced from it)
         self.written = b""  # what the last write said (less its time): the same again is not rewritten
 
@@ -169,9 +172,19 @@ class Journal:
     async def claim(self, request: LogicalRequest) -> None:
         """Create the record if the id is free (or held by a failed run that delivered nothing).
 
-        Raises ClaimConflict when another logical request holds the id; StoreUnavailable when etcd is down.
+        Raises ClaimConflict when another logical request holds the id (nothing of this one is ever written
+        then); StoreUnavailable when etcd is down. The other writes of the request may be asked for while the
+        claim is in flight (it runs beside the first attempt): they wait for it.
         """
         entry = self._entry(request)
+        entry.claiming = asyncio.get_running_loop().create_future()
+        try:
+            await self._claim(request, entry)
+        finally:
+            if not entry.claiming.done():
+                entry.claiming.set_result(None)
+
+    async def _claim(self, request: LogicalRequest, entry: _Entry) -> None:
         self._take_events(request, entry)
         key = keys.request(request.tenant, request.request_id)
         content = self._content(request, entry)
@@ -205,7 +218,9 @@ class Journal:
         ):
             entry.in_flight_indexed, entry.written = bool(index), content
             return
-        self._entries.pop(request, None)  # the id belongs to someone else: keep nothing
+        # The id belongs to someone else: write nothing of this run, ever. The entry stays (until `release`)
+        # so that a write asked for meanwhile finds it lost rather than creating a record.
+        entry.lost = True
         if self._telemetry is not None:
             self._telemetry.forget(request)
         raise ClaimConflict(record)
@@ -317,6 +332,8 @@ class Journal:
                     log.error("journal: gave up recording request %s: %s", request.request_id, exc)
 
     async def _put(self, request: LogicalRequest, entry: _Entry, kind: str) -> None:
+        if entry.claiming is not None and not entry.claiming.done():
+            await asyncio.shield(entry.claiming)  # the claim creates the record; nothing may before it
         if entry.lost:
             return
         entry.written_at = time.monotonic()  # also when nothing is new: progress writes stay spaced
@@ -364,6 +381,11 @@ class Journal:
             return []
         return [Put(self._index_key(request), b"", lease)]
 
+    def serves(self, request: LogicalRequest) -> bool:
+        """The record is this run's (not refused by its claim, not closed by another instance)."""
+        entry = self._entries.get(request)
+        return entry is not None and not entry.lost
+
     def view(self, request: LogicalRequest) -> dict[str, Any]:
         """The record as it would be stored now (for look-ups of requests still in flight here)."""
         entry = self._entry(request)
@@ -402,7 +424,7 @@ class Journal:
 
     def _take_events(self, request: LogicalRequest, entry: _Entry) -> None:
         events = request.drain_events()
-        if not events:
+        if not events or entry.lost:
             return
         now = time.time()
         records = [event.as_record(now) for event in events]

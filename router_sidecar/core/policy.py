@@ -271,6 +271,15 @@ class Leases:
             lo=2,
         ),
     )
+    attempt_pool_size: int = field(
+        default=4,
+        metadata=_key(
+            "attempt leases granted ahead and kept alive, so that an attempt starts without waiting for an "
+            "etcd round trip (0: each attempt waits for its own grant)",
+            lo=0,
+            hi=256,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +346,17 @@ class JournalPolicy:
             "always keep it)",
             lo=0,
             hi=1,
+        ),
+    )
+    # The claim (the record's create) is a raft write. Written while the first attempt already runs, it
+    # costs the first token nothing; nothing of the attempt reaches the client before it is settled, and a
+    # key that belongs to another run is refused then (its replica's prefill is cancelled).
+    claim_before_forwarding: bool = field(
+        default=False,
+        metadata=_key(
+            "true: forward a request only once its record is claimed (one etcd round trip more before the "
+            "first token; a duplicate key never reaches a replica); false: claim while the first attempt "
+            "runs",
         ),
     )
 

@@ -73,6 +73,11 @@ def _error(
     headers: tuple[tuple[str, str], ...] = (),
     **extra: object,
 ) -> m.ProcessingResponse:
+    extra_headers = [*headers, *([("x-request-id", request_id)] if request_id else [])]
+    return m.immediate(status, _error_body(code, message, request_id, **extra), extra_headers=extra_headers)
+
+
+def _error_body(code: str, message: str, request_id: str | None, **extra: object) -> bytes:
     body = {
         "error": {
             "code": code,
@@ -82,8 +87,7 @@ def _error(
             **extra,
         }
     }
-    extra_headers = [*headers, *([("x-request-id", request_id)] if request_id else [])]
-    return m.immediate(status, json.dumps(body).encode(), extra_headers=extra_headers)
+    return json.dumps(body).encode()
 
 
 class _Writer:
@@ -163,6 +167,8 @@ class Inference(PassThrough):
         self._live: Live | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._replacement: bytes | None = None  # our error body, sent instead of the response's own
+        self._response_seen = False  # the response headers reached this filter
+        self._claim_answered = False  # the refusal of a claimed-elsewhere id went out
 
     # --- admission -------------------------------------------------------------------------------------
 
@@ -204,31 +210,25 @@ class Inference(PassThrough):
             return _in_flight(request_id)
         services.telemetry.admitted(request, self._trace_context)
         logs.bind(request_id=request_id)
-        try:
-            await services.journal.claim(request)
-        except asyncio.CancelledError:
-            # The client left (Envoy cancelled the stream) during the claim: nothing will settle this request.
-            services.registry.remove(live)
-            services.telemetry.forget(request)
-            services.journal.release(request)
-            raise
-        except ClaimConflict as conflict:
-            services.registry.remove(live)
-            if conflict.in_flight:
-                return _in_flight(request_id)
-            return _error(
-                409,
-                "request_already_finished",
-                "this Idempotency-Key names a request that already delivered output; its outcome is in "
-                "the journal. Send a new key to ask again.",
-                request_id,
-                journal=LOOKUP_PREFIX + request_id,
-                outcome=conflict.existing.get("outcome"),
-            )
-        except StoreUnavailable as exc:
-            # Degraded mode: serve, but without a durable journal no retry can be proven safe.
-            log.error("journal unavailable, serving request %s without retries: %s", request_id, exc)
-            request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
+        # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it). Until
+        # it is settled nothing of any attempt reaches the client: the upstream placement waits for it before
+        # it releases anything, and so does a response that reaches this filter.
+        claim = live.claim = asyncio.get_running_loop().create_task(self._claim(live))
+        if policy.journal.claim_before_forwarding:
+            try:
+                conflict = await asyncio.shield(claim)
+            except asyncio.CancelledError:
+                # The client left (Envoy cancelled the stream) during the claim: nothing will settle it.
+                services.registry.remove(live)
+                services.telemetry.forget(request)
+                services.journal.release(request)
+                raise
+            if conflict is not None:
+                services.registry.remove(live)
+                services.journal.release(request)
+                return m.immediate(409, _claim_refused(conflict, request_id), extra_headers=self._id_header)
+        else:
+            claim.add_done_callback(self._claim_settled)
         logs.bind(trace_id=services.telemetry.trace_id(request))
         self._live = live
         live.publisher_lost = self._publisher_lost
@@ -237,11 +237,63 @@ class Inference(PassThrough):
         )
         return m.request_body_reply(dynamic_metadata=pin)
 
+    async def _claim(self, live: Live) -> ClaimConflict | None:
+        """Claim the request's id in the journal: None when this run holds it (or etcd is away: then it is
+        served without retries), else the conflict (another run holds the id)."""
+        request = live.request
+        try:
+            await self._services.journal.claim(request)
+        except ClaimConflict as conflict:
+            # No retry of this run may start: it ends with the refusal (below) before anything reached the
+            # client, and nothing of it is journaled.
+            request.gate.block("the request id belongs to another run")
+            return conflict
+        except StoreUnavailable as exc:
+            # Degraded mode: serve, but without a durable journal no retry can be proven safe.
+            log.error("journal unavailable, serving request %s without retries: %s", request.request_id, exc)
+            request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
+        return None
+
+    def _claim_settled(self, claim: asyncio.Task[ClaimConflict | None]) -> None:
+        """The claim that ran beside the first attempt is settled: if the id was another run's, the client
+        gets the refusal now (nothing reached it: the upstream placement releases nothing before this)."""
+        if claim.cancelled() or claim.exception() is not None or claim.result() is None:
+            return
+        if self._claim_answered or self._response_seen:
+            return  # on_response_headers answers it (it waits for the claim)
+        self._claim_answered = True
+        conflict = claim.result()
+        assert conflict is not None
+        reply = m.immediate(409, _claim_refused(conflict, self._request_id), extra_headers=self._id_header)
+        # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
+        # upstream request (the same as a deadline before the first delta).
+        asyncio.get_running_loop().create_task(self._writer.write(reply, ends_stream=True))
+
+    @property
+    def _id_header(self) -> list[tuple[str, str]]:
+        return [("x-request-id", self._request_id)]
+
+    async def _claim_result(self) -> ClaimConflict | None:
+        claim = self._live.claim if self._live is not None else None
+        return None if claim is None else await asyncio.shield(claim)
+
     # --- response --------------------------------------------------------------------------------------
 
     async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         if self._live is None:
             return m.response_headers_reply()
+        self._response_seen = True
+        conflict = await self._claim_result()
+        if conflict is not None:
+            if self._claim_answered:
+                return None  # the refusal went out already
+            self._claim_answered = True
+            return self._replace_with(
+                409,
+                _claim_refused(conflict, self._request_id),
+                self._id_header,
+                headers_only=message.response_headers.end_of_stream,
+            )
         request = self._live.request
         headers = m.header_map(message.response_headers)
         attrs = m.attributes(message)
@@ -265,12 +317,17 @@ class Inference(PassThrough):
     ) -> m.ProcessingResponse:
         body = views.error_body(request, verdict)
         headers = views.error_headers(request, verdict)
+        return self._replace_with(verdict.status, body, headers, headers_only=headers_only)
+
+    def _replace_with(
+        self, status: int, body: bytes, headers: list[tuple[str, str]], *, headers_only: bool
+    ) -> m.ProcessingResponse:
         if headers_only:
-            return m.immediate(verdict.status, body, extra_headers=headers)
+            return m.immediate(status, body, extra_headers=headers)
         # Our status and content type now, our body in place of the first chunk; the rest is dropped.
         self._replacement = body
         mutation = m.header_mutation(
-            [(":status", str(verdict.status)), ("content-type", "application/json"), *headers],
+            [(":status", str(status)), ("content-type", "application/json"), *headers],
             remove=["content-length", "content-encoding", "transfer-encoding"],
         )
         return m.response_headers_reply(mutation)
@@ -382,9 +439,26 @@ class Inference(PassThrough):
                 services.journal.release(request)
 
 
+def _claim_refused(conflict: ClaimConflict, request_id: str) -> bytes:
+    """The 409 body for a request whose id another run holds: still in flight, or finished with output."""
+    if conflict.in_flight:
+        return _in_flight_body(request_id)
+    return _error_body(
+        "request_already_finished",
+        "this Idempotency-Key names a request that already delivered output; its outcome is in "
+        "the journal. Send a new key to ask again.",
+        request_id,
+        journal=LOOKUP_PREFIX + request_id,
+        outcome=conflict.existing.get("outcome"),
+    )
+
+
 def _in_flight(request_id: str) -> m.ProcessingResponse:
-    return _error(
-        409,
+    return m.immediate(409, _in_flight_body(request_id), extra_headers=[("x-request-id", request_id)])
+
+
+def _in_flight_body(request_id: str) -> bytes:
+    return _error_body(
         "idempotency_key_in_flight",
         "a request with this Idempotency-Key is still in flight; wait for it or look it up",
         request_id,
@@ -553,7 +627,7 @@ class DownstreamStream:
             return not_found
         services = self._services
         live = services.registry.get(request_id)
-        if live is not None and live.request.tenant == tenant:
+        if live is not None and live.request.tenant == tenant and services.journal.serves(live.request):
             record = services.journal.view(live.request)
         else:
             try:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from router_sidecar.coordination.journal import ClaimConflict
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import Tracked
 from router_sidecar.core.attempt import Attempt
@@ -27,6 +28,9 @@ class Live:
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.
     publisher_lost: Callable[[str], Awaitable[None]] | None = None
     publisher_progress: Tracked | None = None  # bytes of the publishing attempt that arrived here
+    # The journal claim of the request's id (set by the downstream stream): None once settled in this run's
+    # favour (or etcd is away), else the conflict. Nothing reaches the client before it is settled.
+    claim: asyncio.Task[ClaimConflict | None] | None = None
     _unwatch: Callable[[], None] | None = None
 
     def watch_publisher(self, liveness: LivenessMonitor, attempt: Attempt, progress: Tracked) -> None:

@@ -108,7 +108,9 @@ class SidecarServer:
             trace_clean_completions=policy.journal.trace_clean_completions,
             telemetry=telemetry,
         )
-        self.leases = AttemptLeases(store, policy.leases.attempt_ttl_seconds)
+        self.leases = AttemptLeases(
+            store, policy.leases.attempt_ttl_seconds, pool_size=policy.leases.attempt_pool_size
+        )
         # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
         self.liveness = LivenessMonitor(
             ReplicaRegistry(store) if isinstance(store, EtcdStore) else None,

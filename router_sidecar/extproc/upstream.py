@@ -54,6 +54,7 @@ class UpstreamStream:
         self._left = False  # we answered or released: nothing more is written on this stream
         self._handed_over = False  # the downstream now answers for this attempt's progress
         self._handled, self._busy = 0, 0.0  # messages handled and time spent (metrics, once per stream)
+        self._live: Live | None = None
 
     async def run(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
@@ -63,7 +64,7 @@ class UpstreamStream:
         attrs = m.attributes(first)
         headers = m.header_map(first.request_headers)
         request_id = str(attrs.get("request.id") or headers.get("x-request-id", ""))
-        live = self._services.registry.get(request_id)
+        live = self._live = self._services.registry.get(request_id)
         if live is None:
             # Not an admitted inference request (e.g. /v1/models): nothing to hold, leave the path at once.
             await context.write(m.request_headers_reply())
@@ -197,6 +198,8 @@ class UpstreamStream:
 
     async def _carry_out_one(self, request: LogicalRequest, attempt: a.Attempt, decision: a.Decision) -> None:
         if isinstance(decision, a.Failed):
+            # Whether a retry may follow depends on the claim (etcd away: no retry can be proven safe).
+            await self._claim_conflict()
             verdict = request.gate.verdict(
                 attempt, decision, no_compatible_replica=self._no_compatible_replica(request, attempt)
             )
@@ -222,6 +225,8 @@ class UpstreamStream:
             await self._release(request, attempt, decision)
 
     async def _write_ahead(self, request: LogicalRequest, attempt: a.Attempt) -> None:
+        if await self._claim_conflict():
+            return  # the id is another run's: the downstream refuses the request, which resets this attempt
         if attempt.lease is not None and not attempt.lease.publishable():
             # Lost its right to publish (fence under way, or the lease could not be renewed): never release.
             await self._carry_out(
@@ -239,6 +244,8 @@ class UpstreamStream:
             await self._carry_out(request, attempt, self._handle(request, attempt, a.WriteAheadDone()))
 
     async def _release(self, request: LogicalRequest, attempt: a.Attempt, release: a.Release) -> None:
+        if await self._claim_conflict():
+            return  # nothing of a run refused by its claim reaches the client
         live = self._services.registry.get(request.request_id)
         if live is not None and attempt.first_delta and self._tracked is not None:
             # From here the downstream owns this attempt: it ends the stream if the replica is lost.
@@ -303,6 +310,12 @@ class UpstreamStream:
         if pinned is None:
             return f"no healthy replica with the pinned fingerprint {digest} is left"
         return why_no_compatible_replica(replicas, pinned, exclude=attempt.replica)
+
+    async def _claim_conflict(self) -> bool:
+        """Wait until the request's journal claim is settled (it runs beside the first attempt); True when
+        the id is another run's: then nothing of this one may be released."""
+        claim = self._live.claim if self._live is not None else None
+        return claim is not None and await asyncio.shield(claim) is not None
 
 
 def _answer(request: LogicalRequest, verdict: a.TriggerRetry | a.FailRequest) -> m.ProcessingResponse:
