@@ -65,8 +65,11 @@ def _error(status: bytes, message: str) -> bytes:
     )
 
 
-async def _stream(writer: asyncio.StreamWriter, chunks: int, interval: float) -> None:
+async def _stream(writer: asyncio.StreamWriter, chunks: int, interval: float, prefill: float) -> None:
     writer.write(_RESPONSE_HEAD + http_chunk(ROLE_EVENT))
+    if prefill:  # an engine sends its headers and role event at once, the first token after the prefill
+        await writer.drain()
+        await asyncio.sleep(prefill)
     for _ in range(chunks):
         await asyncio.sleep(interval)
         # Stamp right before write(): with an empty send buffer it hands the bytes to the socket at once.
@@ -76,7 +79,9 @@ async def _stream(writer: asyncio.StreamWriter, chunks: int, interval: float) ->
     await writer.drain()
 
 
-async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float) -> None:
+async def _handle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float, prefill: float
+) -> None:
     try:
         while True:  # keep-alive: one request after another until the client closes
             try:
@@ -103,15 +108,15 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
             if not 0 < chunks <= MAX_CHUNKS:
                 writer.write(_error(b"400 Bad Request", f"max_tokens must be 1..{MAX_CHUNKS}"))
                 continue
-            await _stream(writer, chunks, interval)
+            await _stream(writer, chunks, interval, prefill)
     except (ConnectionError, asyncio.IncompleteReadError):
         return  # the client (Envoy) went away mid-stream: nothing to clean up
     finally:
         writer.close()
 
 
-async def serve(host: str, port: int, interval: float) -> None:
-    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval), host, port)
+async def serve(host: str, port: int, interval: float, prefill: float = 0.0) -> None:
+    server = await asyncio.start_server(lambda r, w: _handle(r, w, interval, prefill), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -125,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT (use 127.0.0.1)")
     parser.add_argument("--interval-ms", type=float, default=1.0, help="gap between content events")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="wait before the first content event")
     args = parser.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
-    run_async(serve(host, int(port), args.interval_ms / 1000))
+    run_async(serve(host, int(port), args.interval_ms / 1000, args.prefill_ms / 1000))
     return 0
 
 

@@ -12,8 +12,10 @@ round trip per chunk.
 Granting a lease is an etcd round trip (a raft write) on the way to the replica. So a few leases are granted
 ahead (policy `leases.attempt_pool_size`) and kept alive like the attempts' own: an attempt takes one and
 starts at once, and the pool is refilled in the background. A pooled lease belongs to no attempt until
-taken (its id reaches a replica only in the attempt's headers), is used once, and is given to an attempt
-only while its last refresh is recent, so the attempt's expiry bound is as tight as a fresh grant's.
+taken (its id reaches a replica only in the attempt's headers), is used once, is given to an attempt only
+if refreshed in the keep-alive's last round, and is refreshed again the moment it is taken: its remaining
+TTL is then that of a lease granted now. (With TTLs under 3 s there is no pool: etcd reports remaining
+TTLs in whole seconds, and a replica side reads "0" as revoked.)
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from router_sidecar.coordination.store import Lease, Store, StoreUnavailable, keys
 
@@ -33,6 +37,10 @@ log = logging.getLogger(__name__)
 # Slack added to the lease's expiry bound: clock-rate differences and the replica side's check interval
 # are covered by its own safety margin; this covers our side's measurement of "last refresh".
 EXPIRY_SLACK_SECONDS = 0.25
+# Leases the keep-alive refreshes at once (one round trip each: a slow one must not hold the rest up).
+REFRESH_CONCURRENCY = 32
+# The shortest TTL that gets a pool (see the module docstring).
+POOL_MIN_TTL_SECONDS = 3
 
 
 class FenceProof(enum.StrEnum):
@@ -89,7 +97,7 @@ class AttemptLeases:
         self.ttl_seconds = ttl_seconds
         self._active: dict[str, AttemptLease] = {}
         self._keepalive: asyncio.Task[None] | None = None
-        self._pool_size = pool_size
+        self._pool_size = pool_size if ttl_seconds >= POOL_MIN_TTL_SECONDS else 0
         self._pool: collections.deque[_Pooled] = collections.deque()
         self._refill: asyncio.Task[None] | None = None
         self._started = False
@@ -120,10 +128,9 @@ class AttemptLeases:
         return max(0.2, self.ttl_seconds / 3)
 
     def _take_pooled(self) -> _Pooled | None:
-        """A pooled lease refreshed in the keep-alive's last round (give or take half a round): the next round
-        refreshes it again, as it would a lease granted now. Older ones are dropped (their refresh did not
-        get through)."""
-        fresh_since = time.monotonic() - 1.5 * self._refresh_interval
+        """A pooled lease refreshed in the keep-alive's last round, with at least 1.5 s of TTL left; older
+        ones are dropped (their refresh did not get through)."""
+        fresh_since = time.monotonic() - min(self._refresh_interval, self.ttl_seconds - 1.5)
         while self._pool:
             pooled = self._pool.popleft()
             if pooled.refreshed_at >= fresh_since:
@@ -158,6 +165,8 @@ class AttemptLeases:
         if pooled is not None:
             held = AttemptLease(attempt_id, pooled.lease, time.time(), pooled.refreshed_at, self.ttl_seconds)
             self._active[attempt_id] = held
+            # Its TTL restarts now, not at the keep-alive's next round.
+            asyncio.get_running_loop().create_task(self._refresh(held))
             return held
         lease: Lease | None = None
         try:
@@ -175,16 +184,18 @@ class AttemptLeases:
         return held
 
     async def _keep_pool_alive(self) -> None:
-        for pooled in list(self._pool):
+        async def refresh(pooled: _Pooled) -> None:
             try:
                 remaining = await self._store.refresh_lease(pooled.lease)
             except StoreUnavailable:
-                continue  # too old by the time it is taken: dropped then
+                return  # too old by the time it is taken: dropped then
             if remaining > 0:
                 pooled.refreshed_at = time.monotonic()
             else:
                 with contextlib.suppress(ValueError):
                     self._pool.remove(pooled)
+
+        await _gather_bounded([refresh(pooled) for pooled in list(self._pool)])
         self._refill_pool()
 
     async def _revoke_quietly(self, lease: Lease) -> None:
@@ -248,16 +259,30 @@ class AttemptLeases:
     async def _keep_alive_loop(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_interval)
+            # The attempts' own leases first, then the pool's.
+            await _gather_bounded([self._refresh(held) for held in list(self._active.values())])
             await self._keep_pool_alive()
-            for held in list(self._active.values()):
-                if held.lease is None or held.stopped_at is not None:
-                    continue
-                try:
-                    remaining = await self._store.refresh_lease(held.lease)
-                except StoreUnavailable as exc:
-                    log.warning("attempt lease %s not refreshed: %s", held.attempt_id, exc)
-                    continue
-                if remaining > 0:
-                    held.refreshed_at = time.monotonic()
-                else:  # revoked or expired server-side: the attempt lost its right to publish
-                    held.stopped_at = held.stopped_at or time.time()
+
+    async def _refresh(self, held: AttemptLease) -> None:
+        if held.lease is None or held.stopped_at is not None:
+            return
+        try:
+            remaining = await self._store.refresh_lease(held.lease)
+        except StoreUnavailable as exc:
+            log.warning("attempt lease %s not refreshed: %s", held.attempt_id, exc)
+            return
+        if remaining > 0:
+            held.refreshed_at = max(held.refreshed_at, time.monotonic())
+        else:  # revoked or expired server-side: the attempt lost its right to publish
+            held.stopped_at = held.stopped_at or time.time()
+
+
+async def _gather_bounded(calls: list[Coroutine[Any, Any, None]]) -> None:
+    """Run the calls, at most REFRESH_CONCURRENCY at a time."""
+    gate = asyncio.Semaphore(REFRESH_CONCURRENCY)
+
+    async def bounded(call: Coroutine[Any, Any, None]) -> None:
+        async with gate:
+            await call
+
+    await asyncio.gather(*(bounded(call) for call in calls))

@@ -176,13 +176,29 @@ class Journal:
         then); StoreUnavailable when etcd is down. The other writes of the request may be asked for while the
         claim is in flight (it runs beside the first attempt): they wait for it.
         """
-        entry = self._entry(request)
-        entry.claiming = asyncio.get_running_loop().create_future()
+        entry = self.begin(request)
+        assert entry.claiming is not None
         try:
             await self._claim(request, entry)
+        except (ClaimConflict, StoreUnavailable):
+            raise
+        except BaseException:
+            # Cancelled (shutdown) or a bug: whether the record was created is unknown, so this run writes
+            # nothing more rather than risk overwriting another run's record.
+            entry.lost = True
+            raise
         finally:
             if not entry.claiming.done():
                 entry.claiming.set_result(None)
+
+    def begin(self, request: LogicalRequest) -> _Entry:
+        """The request's entry, its claim about to start: the writes asked for from now on wait for the claim,
+        and its first events (request_accepted) reach the telemetry at once (its span, its trace id)."""
+        entry = self._entry(request)
+        if entry.claiming is None:
+            entry.claiming = asyncio.get_running_loop().create_future()
+            self._take_events(request, entry)
+        return entry
 
     async def _claim(self, request: LogicalRequest, entry: _Entry) -> None:
         self._take_events(request, entry)
@@ -250,8 +266,10 @@ class Journal:
         placement learns later (e.g. that its release lost a race with a reset) is written as it comes."""
         entry = self._entry(request)
         entry.finished = True
+        if entry.claiming is not None and not entry.claiming.done():
+            await asyncio.shield(entry.claiming)  # a run refused by its claim is not counted, nor traced
         self._take_events(request, entry)
-        if self._telemetry is not None:
+        if self._telemetry is not None and not entry.lost:
             self._telemetry.finished(request)
         try:
             async with entry.lock:
@@ -382,9 +400,11 @@ class Journal:
         return [Put(self._index_key(request), b"", lease)]
 
     def serves(self, request: LogicalRequest) -> bool:
-        """The record is this run's (not refused by its claim, not closed by another instance)."""
+        """The record is this run's: claimed (not refused by its claim, or still claiming), and not closed by
+        another instance."""
         entry = self._entries.get(request)
-        return entry is not None and not entry.lost
+        claimed = entry is not None and (entry.claiming is None or entry.claiming.done())
+        return claimed and entry is not None and not entry.lost
 
     def view(self, request: LogicalRequest) -> dict[str, Any]:
         """The record as it would be stored now (for look-ups of requests still in flight here)."""

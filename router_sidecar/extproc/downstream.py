@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -213,15 +214,16 @@ class Inference(PassThrough):
         # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it). Until
         # it is settled nothing of any attempt reaches the client: the upstream placement waits for it before
         # it releases anything, and so does a response that reaches this filter.
+        services.journal.begin(request)
         claim = live.claim = asyncio.get_running_loop().create_task(self._claim(live))
         if policy.journal.claim_before_forwarding:
             try:
                 conflict = await asyncio.shield(claim)
             except asyncio.CancelledError:
-                # The client left (Envoy cancelled the stream) during the claim: nothing will settle it.
+                # The client left (Envoy cancelled the stream) during the claim: no stream end will settle
+                # this request, so its claim does when it is over.
                 services.registry.remove(live)
-                services.telemetry.forget(request)
-                services.journal.release(request)
+                claim.add_done_callback(functools.partial(self._abandoned, request))
                 raise
             if conflict is not None:
                 services.registry.remove(live)
@@ -252,7 +254,29 @@ class Inference(PassThrough):
             # Degraded mode: serve, but without a durable journal no retry can be proven safe.
             log.error("journal unavailable, serving request %s without retries: %s", request.request_id, exc)
             request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
+        except Exception:
+            # A bug: served like degraded mode (the journal writes nothing more of this run).
+            log.exception("journal claim of %s failed; serving it without retries", request.request_id)
+            request.gate.block("the request journal could not record this request, so no retry is safe")
         return None
+
+    def _abandoned(self, request: r.LogicalRequest, claim: asyncio.Task[ClaimConflict | None]) -> None:
+        """The client left while the claim ran (claim_before_forwarding): if the claim won, the record says
+        the request ended (its key is not left "in flight"); either way the entry goes."""
+        services = self._services
+        if claim.cancelled() or claim.result() is not None:
+            services.telemetry.forget(request)
+            services.journal.release(request)
+            return
+        request.handle(r.DownstreamLost(r.DownstreamLoss.CLIENT_GONE, None))
+
+        async def record_the_end() -> None:
+            try:
+                await services.journal.finish(request)
+            finally:
+                services.journal.release(request)
+
+        asyncio.get_running_loop().create_task(record_the_end())
 
     def _claim_settled(self, claim: asyncio.Task[ClaimConflict | None]) -> None:
         """The claim that ran beside the first attempt is settled: if the id was another run's, the client

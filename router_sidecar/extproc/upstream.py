@@ -113,7 +113,13 @@ class UpstreamStream:
                 self._services.progress.untrack_later(self._tracked)
 
     async def _admit(self, context: grpc.aio.ServicerContext, request: LogicalRequest) -> bool:
-        """The retry gate: the attempt before must be fenced, and the budget must allow this one."""
+        """The retry gate: the attempt before must be fenced, and the budget must allow this one. A retry
+        also waits for the request's claim (etcd away: no retry can be proven safe); no attempt of a run
+        refused by its claim starts."""
+        claim = self._live.claim if self._live is not None else None
+        if (request.gate.attempts or (claim is not None and claim.done())) and await self._claim_conflict():
+            await context.write(m.immediate(409, b""))  # the downstream puts the 409's body in
+            return False
         while True:
             admission = request.gate.admit()
             if isinstance(admission, a.Admit):
@@ -199,10 +205,17 @@ class UpstreamStream:
     async def _carry_out_one(self, request: LogicalRequest, attempt: a.Attempt, decision: a.Decision) -> None:
         if isinstance(decision, a.Failed):
             # Whether a retry may follow depends on the claim (etcd away: no retry can be proven safe).
-            await self._claim_conflict()
+            refused = await self._claim_conflict()
             verdict = request.gate.verdict(
                 attempt, decision, no_compatible_replica=self._no_compatible_replica(request, attempt)
             )
+            if refused:
+                # The downstream answers the client (the 409); this attempt only settles its lease.
+                decisions = self._handle(request, attempt, a.VerdictReady(verdict))
+                for settle in decisions:
+                    if isinstance(settle, a.SettleLease | a.StartFence):
+                        await self._carry_out_one(request, attempt, settle)
+                return
             log.info(
                 "attempt %d on %s failed before any content (%s): %s",
                 attempt.number,

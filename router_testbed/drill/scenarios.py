@@ -440,7 +440,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "duplicate-key",
         "duplicate Idempotency-Key",
         "Two requests with one key: one is served; the other is refused — 409 idempotency_key_in_flight "
-        "while the first runs, 409 request_already_finished after it — and never reaches a replica.",
+        "while the first runs, 409 request_already_finished after it; nothing of it reaches the client, and "
+        "an attempt of it that reached a replica is cancelled there.",
         "README",
         "the first complete with 1 attempt; the duplicate 409 in flight (or finished, if the first had "
         "ended); after completion 409 request_already_finished, outcome completed; one replica request",

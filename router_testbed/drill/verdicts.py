@@ -743,7 +743,8 @@ def judge_all_replicas_fail(v: Verdict, x: Exchange, ev: Evidence) -> None:
 
 def judge_duplicate_key(ev: Evidence) -> Verdict:
     """Two requests with one Idempotency-Key: one is served; the other is refused with 409 (in flight while
-    the first runs, already finished after it) and never reaches a replica."""
+    the first runs, already finished after it); nothing of it reaches the client, and an attempt of it that
+    reached a replica (the claim runs beside the first attempt) is cancelled there."""
     v = Verdict()
     first, dup, after = ev.get("the first request"), ev.get("the duplicate"), ev.get("after completion")
     if first is None or dup is None or after is None:
@@ -783,11 +784,13 @@ def judge_duplicate_key(ev: Evidence) -> Verdict:
     if first.has_record and view is not None:
         check_attempts(v, first, 1)
     if ev.sim and first.replica_records:
-        starts = [r for r in first.replica_records if r.get("event") == "start"]
+        ends = [r for r in first.replica_records if r.get("event") == "end"]
+        generated = [r for r in ends if r.get("client_gone_at") is None]
         v.check(
-            "replica log: one replica request for the key (the duplicates never reached a replica)",
-            len(starts) == 1,
-            f"{_plural(len(starts), 'replica request')}",
+            "replica log: one replica request generated the answer (a duplicate's attempt that reached a "
+            "replica, while its claim ran, was cancelled there)",
+            len(generated) == 1,
+            f"{_plural(len(generated), 'replica request')} not cancelled, of {len(ends)}",
         )
     return v
 

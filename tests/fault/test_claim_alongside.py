@@ -24,10 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from router_sidecar.runtime.supervise import Child, start_etcd
-from tests.harness import ClientResult, Gateway, Sim, chat, poll, post
+from tests.harness import ClientResult, Gateway, Sim, chat, poll, post, with_credential
 
 pytestmark = pytest.mark.fault
 
@@ -115,3 +116,28 @@ def test_claim_before_forwarding_never_sends_a_duplicate_key_to_a_replica(
     assert answer.status == 409 and json.loads(answer.body)["error"]["code"] == "request_already_finished"
     poll(lambda: len(sim.requests_for(key)) == 1, what="the first run's end record")
     assert sim.started_for(key) == 1
+
+
+def test_claim_before_forwarding_a_client_gone_during_the_claim_leaves_no_key_in_flight(
+    stack: tuple[Child, Sim, Gateway, Gateway],
+) -> None:
+    etcd, sim, _, gateway = stack
+    key = "claim-before-client-gone"
+    # The client gives up while the claim waits for etcd (Envoy then cancels the stream).
+    with frozen(etcd), contextlib.suppress(httpx.TimeoutException):
+        httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json=chat(max_tokens=2),
+            headers=with_credential({"idempotency-key": key}),
+            timeout=0.5,
+        )
+    # The claim then wins: the record says the request ended, it does not stay "in flight" for good.
+    record = gateway.wait_journal(key, lambda j: j["phase"] not in ("admitted", "prefill", "decode"))
+    assert (record["phase"], record["first_delta_sent"], record["attempts"]) == ("cancelled", False, [])
+    again = post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=2), headers={"idempotency-key": key})
+    assert json.loads(answer_body(again)).get("error", {}).get("code") != "idempotency_key_in_flight"
+    assert sim.started_for(key) == 0
+
+
+def answer_body(result: ClientResult) -> bytes:
+    return result.body if result.status != 200 else b"{}"

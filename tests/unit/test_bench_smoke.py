@@ -89,7 +89,7 @@ def test_client_parses_chunked_stream_split_anywhere() -> None:
 
 def test_upstream_and_client_end_to_end() -> None:
     async def run() -> list[stream_overhead.StreamResult]:
-        server = await asyncio.start_server(lambda r, w: sse_upstream._handle(r, w, 0.0), "127.0.0.1", 0)
+        server = await asyncio.start_server(lambda r, w: sse_upstream._handle(r, w, 0.0, 0.0), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = stream_overhead.Client(port)
         try:
@@ -129,8 +129,10 @@ def test_table_compares_the_sidecar_with_the_lean_floor() -> None:
         "floor": stream_overhead.summarize(setup("floor", 0.4, {"envoy": 0.1, "sidecar": 0.1}), 1000),
     }
     lines = stream_overhead.table("sequential", summaries, "1 stream").splitlines()
-    assert lines[-3].split() == ["0.400", "0.400", "100.0", "10000"]  # p50, p99, µs/chunk, chunks/CPU-s
-    assert lines[-2].split() == ["sidecar", "CPU", "/", "floor", "CPU", "1.2×"]
+    assert lines[-4].split() == ["0.400", "0.400", "100.0", "10000"]  # p50, p99, µs/chunk, chunks/CPU-s
+    assert lines[-3].split() == ["sidecar", "CPU", "/", "floor", "CPU", "1.2×"]
+    # Time to first delta of the floor (the ext_proc hops alone) against the gateway's.
+    assert lines[-2].split()[-4:] == ["1.000", "1.000", "+0.000", "1.0×"]
     assert "1000/1000" in lines[-1]
     without = {k: v for k, v in summaries.items() if k != "floor"}
     assert not any("floor" in line for line in stream_overhead.table("s", without, "d").splitlines())

@@ -639,6 +639,28 @@ def test_duplicate_key_that_was_served_twice_is_a_violation() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("duplicate_cancelled", "passes"),
+    [(True, True), (False, False)],
+    ids=["a duplicate that reached a replica was cancelled", "a duplicate generated an answer too"],
+)
+def test_duplicate_key_one_replica_request_generated_the_answer(
+    duplicate_cancelled: bool, passes: bool
+) -> None:
+    ev = _duplicate(409, {"code": "idempotency_key_in_flight", "request_id": KEY}, dup_ended=T0 + 0.15)
+    ev.sim = True
+    first = ev.get("the first request")
+    assert first is not None
+    first.replica_records = [
+        {"event": "start", "attempt_id": "a1"},
+        {"event": "start", "attempt_id": "a2"},
+        {"event": "end", "attempt_id": "a1", "client_gone_at": None},
+        {"event": "end", "attempt_id": "a2", "client_gone_at": T0 + 0.1 if duplicate_cancelled else None},
+    ]
+    verdict = v.judge_duplicate_key(ev)
+    assert verdict.passed is passes, failed_checks(verdict)
+
+
 def _malformed(unknown_model: Exchange) -> v.Evidence:
     bad = json_error(
         400, {"code": "invalid_json", "message": "not JSON", "request_id": KEY}, label="invalid JSON"

@@ -22,7 +22,12 @@ class CountingStore(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.grants = 0
+        self.refreshed: list[int] = []
         self.available = True
+
+    async def refresh_lease(self, lease: Lease) -> int:
+        self.refreshed.append(lease.id)
+        return await super().refresh_lease(lease)
 
     async def grant_lease(self, ttl_seconds: int) -> Lease:
         if not self.available:
@@ -55,6 +60,36 @@ def test_an_attempt_takes_a_pooled_lease_and_the_pool_refills() -> None:
         assert held.publishable()
         await until(lambda: leases.pooled == 3)  # refilled in the background
         assert store.grants == 4
+        await leases.stop()
+
+    run(go)
+
+
+def test_a_taken_lease_is_refreshed_at_once() -> None:
+    async def go() -> None:
+        store = CountingStore()
+        leases = AttemptLeases(store, 30, pool_size=1)  # the keep-alive's own round is 10 s away
+        leases.start()
+        await until(lambda: leases.pooled == 1)
+        held = await leases.grant(attempt_id="a1", request_id="r1", replica="h:1")
+        assert held.lease is not None
+        taken_at = held.refreshed_at
+        await until(lambda: held.lease is not None and held.lease.id in store.refreshed)
+        assert held.refreshed_at > taken_at  # its TTL restarted when it was taken
+        await leases.stop()
+
+    run(go)
+
+
+def test_short_ttls_get_no_pool() -> None:
+    # etcd reports a remaining TTL in whole seconds and the replica side reads 0 as revoked: a pooled lease
+    # of a 2 s TTL could reach its replica with "0 s" left.
+    async def go() -> None:
+        store = CountingStore()
+        leases = AttemptLeases(store, 2, pool_size=4)
+        leases.start()
+        await leases.grant(attempt_id="a1", request_id="r1", replica="h:1")
+        assert store.grants == 1 and leases.pooled == 0
         await leases.stop()
 
     run(go)
