@@ -203,6 +203,9 @@ class ReplicaAgent:
         )
         self._healthy: bool | None = None
         self._draining_since: float | None = None  # monotonic: when the engine began to drain
+        # A draining engine busy with what it finishes may miss one probe: only a second miss in a row
+        # withdraws it (withdrawn, the attempts in flight there would be taken for lost).
+        self._missed_while_draining = False
         self._ready_printed = False
         self.front: Any = None  # replica mode: the `ReplicaFront`; its Envoy dead → withdrawn like the engine
 
@@ -215,9 +218,15 @@ class ReplicaAgent:
         try:
             probed, info = await self._check()
         except EngineDraining as exc:
+            self._missed_while_draining = False
             await self._drain(exc)
             return
         except EngineDown as exc:
+            if self._draining_since is not None and not self._missed_while_draining:
+                self._missed_while_draining = True
+                log.warning("engine %s draining, no answer (%s); kept once more", self.options.engine, exc)
+                return
+            self._missed_while_draining = False
             if self._healthy is not False:
                 log.warning("engine %s unhealthy (%s); withdrawing", self.options.engine, exc)
             self._healthy, self._draining_since = False, None
