@@ -8,7 +8,9 @@ still sees it healthy keeps its attempts for as long as the request's deadline a
 A static replica (`--replica`, no agent) has no heartbeat, so the sidecar probes its `/health` itself: one
 that stops accepting connections or answering its health check (a dying engine whose server only waits
 for connections to close, a frozen process) is lost after `liveness.static_probe_failures` probes in a
-row. It has no replica side either, so its closed connection is the whole fence.
+row. It has no replica side either, so its closed connection is the whole fence. One named by DNS
+(`--replica engine-0.engine:8000`) is known by the addresses its name resolves to as well (re-resolved every
+probe round): Envoy names an attempt's replica by the address it connected to.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -49,6 +53,8 @@ class LivenessMonitor:
     ) -> None:
         self._registry = registry
         self._static_failures = dict.fromkeys(static, 0)  # static replica → failed probes in a row
+        # IP:PORT → the static replica named by DNS that resolves to it (Envoy names attempts by IP:PORT).
+        self._aliases: dict[str, str] = {}
         self._probe_interval = probe_interval
         self._probe_timeout = probe_interval if probe_timeout is None else probe_timeout
         self._probe_failures = probe_failures
@@ -84,7 +90,11 @@ class LivenessMonitor:
         finish there; they are not lost)."""
         return {address: r for address, r in self.replicas.items() if not r.draining}
 
+    def _static_name(self, address: str) -> str:
+        return self._aliases.get(address, address)
+
     def state(self, address: str) -> Liveness:
+        address = self._static_name(address)
         if address in self.replicas:
             return Liveness.HEALTHY
         if address in self._ever_registered:
@@ -109,6 +119,7 @@ class LivenessMonitor:
         if address in self._ever_registered and address not in self.replicas:
             asyncio.get_running_loop().create_task(callback(HEARTBEAT_LAPSED))
             return lambda: None
+        address = self._static_name(address)
         self._watchers.setdefault(address, {})[callback] = time.monotonic()
 
         def unsubscribe() -> None:
@@ -147,6 +158,7 @@ class LivenessMonitor:
 
     async def _probe_static(self) -> None:
         while True:
+            await self._resolve_static()
             started = time.monotonic()
             # Whatever a replica answers (or raises), the loop goes on: it is the static replicas' only fence.
             results = await asyncio.gather(
@@ -160,6 +172,28 @@ class LivenessMonitor:
                     # started: also those that came after the replica was first found lost.
                     self._lost(address, HEALTH_CHECK_FAILED, subscribed_by=started)
             await asyncio.sleep(self._probe_interval)
+
+    async def _resolve_static(self) -> None:
+        """Map the addresses each DNS-named static replica resolves to now onto its name (a name that does
+        not resolve this round keeps what it resolved to before)."""
+        loop = asyncio.get_running_loop()
+        aliases: dict[str, str] = {}
+        for name in self._static_failures:
+            host, port = split_hostport(name)
+            with contextlib.suppress(ValueError):
+                ipaddress.ip_address(host.strip("[]"))
+                continue  # an address already: Envoy names it the same way
+            try:
+                async with asyncio.timeout(self._probe_timeout):
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except (OSError, TimeoutError) as exc:
+                log.warning("static replica %s does not resolve now: %s", name, exc)
+                aliases.update({ip: n for ip, n in self._aliases.items() if n == name})
+                continue
+            for family, _, _, _, sockaddr in infos:
+                ip = str(sockaddr[0])
+                aliases[f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"] = name
+        self._aliases = aliases
 
     async def _probe(self, address: str) -> bool:
         host, port = split_hostport(address)

@@ -169,3 +169,25 @@ def test_a_probe_that_raises_counts_as_failed_and_the_probing_goes_on() -> None:
             await m.stop()
 
     asyncio.run(go())
+
+
+def test_a_static_replica_named_by_dns_is_fenced_under_the_address_envoy_names() -> None:
+    # Envoy names an attempt's replica by the IP:PORT it connected to; the replica was given by name.
+    async def go() -> None:
+        m = LivenessMonitor(
+            None, static=("localhost:9",), probe_interval=0.001, probe_timeout=1.0, probe_failures=2
+        )
+        probes = ScriptedProbes(m)
+        m.start()
+        try:
+            await until(lambda: probes.started > probes.done)  # resolved before its first probe
+            seen: list[str] = []
+            m.on_loss("127.0.0.1:9", watcher(seen))
+            await probes.answer(False, False, False)
+            await until(lambda: seen == [HEALTH_CHECK_FAILED])
+            assert m.state("127.0.0.1:9") is Liveness.LOST and m.state("localhost:9") is Liveness.LOST
+            assert m.state("127.0.0.2:9") is Liveness.UNKNOWN  # not one of its addresses
+        finally:
+            await m.stop()
+
+    asyncio.run(go())
