@@ -248,6 +248,7 @@ def _tool_cluster(name: str, endpoint: Endpoint, policy: Policy) -> dict[str, An
         "name": f"tool_{name}",
         "connect_timeout": _seconds(policy.deadlines.connect_seconds),
         "type": "STATIC" if endpoint.is_ip else "STRICT_DNS",
+        "dns_lookup_family": "V4_PREFERRED",  # as the replicas' cluster (envoy/gateway.yaml)
         "load_assignment": {
             "cluster_name": f"tool_{name}",
             "endpoints": [

@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +28,15 @@ pytestmark = pytest.mark.fault
 DETECTION_BOUND_SECONDS = 12.0
 
 
-@pytest.fixture
-def pool(etcd: str, tmp_path: Path) -> Iterator[tuple[Gateway, dict[str, Sim]]]:
+@pytest.fixture(params=["by-address", "by-dns-name"])
+def pool(
+    etcd: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Gateway, dict[str, Sim]]]:
     sims = {name: Sim(name, tmp_path, token_interval=0.02) for name in ("a", "b")}
-    gateway = Gateway(replicas=[s.endpoint for s in sims.values()], etcd=etcd, work=tmp_path)
+    # Given by name, Envoy still names each attempt's replica by the address it connected to.
+    named = request.param == "by-dns-name"
+    replicas = [s.endpoint.replace("127.0.0.1", "localhost") if named else s.endpoint for s in sims.values()]
+    gateway = Gateway(replicas=replicas, etcd=etcd, work=tmp_path)
     try:
         yield gateway, sims
     finally:
@@ -98,9 +104,10 @@ def test_frozen_static_replica_after_the_first_delta_ends_with_the_terminal_fram
     pool: tuple[Gateway, dict[str, Sim]],
 ) -> None:
     gateway, sims = pool
-    reader = Reader(gateway, "static-frozen-decode", "delay@after:2 for=30", after=2)
+    key = f"static-frozen-decode-{uuid.uuid4().hex[:8]}"  # the journal outlives the parametrization
+    reader = Reader(gateway, key, "delay@after:2 for=30", after=2)
     assert reader.reached.wait(20)
-    sim = serving(sims, "static-frozen-decode")
+    sim = serving(sims, key)
     assert sim.child is not None
     frozen_at = time.monotonic()
     sim.child.signal(signal.SIGSTOP)
@@ -113,7 +120,7 @@ def test_frozen_static_replica_after_the_first_delta_ends_with_the_terminal_fram
     assert ended_after < DETECTION_BOUND_SECONDS, (
         f"the terminal frame came {ended_after:.1f}s after the freeze"
     )
-    journal = gateway.wait_journal("static-frozen-decode", lambda j: j["phase"] == "interrupted")
+    journal = gateway.wait_journal(key, lambda j: j["phase"] == "interrupted")
     assert journal["attempt"] == 1 and journal["delivered_output_tokens"] == 2
     assert any(e["event"] == "replica_lost" for e in journal["events"]), journal["events"]
 
@@ -123,8 +130,9 @@ def test_frozen_static_replica_before_the_first_delta_is_fenced_and_retried(
 ) -> None:
     gateway, sims = pool
     # Headers and the role event go out, then the replica freezes before any content.
-    reader = Reader(gateway, "static-frozen-prefill", "delay@role for=30 attempt=1")
-    sim = serving(sims, "static-frozen-prefill")
+    key = f"static-frozen-prefill-{uuid.uuid4().hex[:8]}"
+    reader = Reader(gateway, key, "delay@role for=30 attempt=1")
+    sim = serving(sims, key)
     assert sim.child is not None
     frozen_at = time.monotonic()
     sim.child.signal(signal.SIGSTOP)
@@ -133,15 +141,13 @@ def test_frozen_static_replica_before_the_first_delta_is_fenced_and_retried(
     assert not [d for d in result.data() if isinstance(d, dict) and "error" in d]
     assert len({d["id"] for d in result.content_chunks()}) == 1
     assert time.monotonic() - frozen_at < DETECTION_BOUND_SECONDS + 5
-    journal = gateway.wait_journal("static-frozen-prefill", lambda j: j["phase"] == "completed")
+    journal = gateway.wait_journal(key, lambda j: j["phase"] == "completed")
     first, second = journal["attempts"]
     assert (first["outcome"], first["detail"]) == ("failed", "replica_lost")
     assert first["fence"]["proof"] == "connection_closed"
     assert second["replica"] != first["replica"]
     other = next(s for s in sims.values() if s is not sim)
-    assert [r["request_id"] for r in other.records() if r.get("event") == "end"].count(
-        "static-frozen-prefill"
-    ) == 1
+    assert [r["request_id"] for r in other.records() if r.get("event") == "end"].count(key) == 1
 
 
 def test_a_slow_static_replica_that_answers_its_health_check_is_not_failed_over(
