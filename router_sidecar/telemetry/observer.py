@@ -39,9 +39,12 @@ FENCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _OPERATION = {"chat.completions": "chat", "completions": "text_completion"}
-# A client-chosen string on a metric: bounded in length, and in number (later names are "other").
+# A client-chosen string on a metric: bounded in length, and in number (later names are "other"). A name takes
+# one of the slots only once it is known to be served: pinned to a registered replica's fingerprint, or a
+# replica sent content for it (static replicas accept any string; a client must not be able to fill them).
 MAX_MODEL_LABEL = 64
 MAX_MODEL_LABELS = 32
+UNSERVED_MODEL = "other"
 
 # Span event names for the machines' events (the issue's vocabulary: fence started/proven, terminal frame).
 _SPAN_EVENT = {
@@ -234,6 +237,8 @@ class Telemetry:
                 self._attempt_started(traced, attempt, record, at)
             elif name is EventName.FIRST_DELTA_SENT and traced.first_delta_at is None:
                 traced.first_delta_at = at
+                # A replica sent content for this model: it is served.
+                traced.attributes["gen_ai.request.model"] = self._model_label(request, served=True)
                 self.ttft.record(max(0.0, at - traced.accepted_at), traced.attributes)
             elif name is EventName.ATTEMPT_FENCED and isinstance(record.get("proof"), str):
                 waited = float(record.get("waited_ms") or 0.0) / 1000
@@ -315,7 +320,11 @@ class Telemetry:
     def _accepted(self, request: LogicalRequest, record: Mapping[str, Any], at: float) -> None:
         route = str(record.get("route") or request.parsed.kind.value)
         operation = _OPERATION.get(route, route)
-        attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": self._model_label(request)}
+        served = request.fingerprint_digest is not None  # pinned to a registered replica that serves it
+        attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": self._model_label(request, served=served),
+        }
         span = None
         if self._tracer is not None:
             model = (request.parsed.model or "")[:MAX_MODEL_LABEL]  # a client's string: bounded
@@ -334,12 +343,13 @@ class Telemetry:
             )
         self._open[request] = _Traced(span=span, accepted_at=at, attributes=attributes, last_at=at)
 
-    def _model_label(self, request: LogicalRequest) -> str:
+    def _model_label(self, request: LogicalRequest, *, served: bool) -> str:
         model = (request.parsed.model or "")[:MAX_MODEL_LABEL]
-        if model not in self._model_labels:
-            if len(self._model_labels) >= MAX_MODEL_LABELS:
-                return "other"
-            self._model_labels.add(model)
+        if model in self._model_labels:
+            return model
+        if not served or len(self._model_labels) >= MAX_MODEL_LABELS:
+            return UNSERVED_MODEL
+        self._model_labels.add(model)
         return model
 
     def _attempt_started(self, traced: _Traced, number: int, record: Mapping[str, Any], at: float) -> None:

@@ -246,11 +246,29 @@ def test_model_labels_are_bounded() -> None:
     for index in range(MAX_MODEL_LABELS + 5):
         request = new_request()
         request.parsed = dataclasses.replace(request.parsed, model=f"m{index}" * 40)
+        request.pin(f"sha256:{index:064x}", None)  # served by a registered replica
         h.drain(request)
         h.finish(request)
     models = {dict(k)["gen_ai.request.model"] for k in points(h, "router_sidecar.requests")}
     assert len(models) == MAX_MODEL_LABELS + 1 and "other" in models
     assert max(len(m) for m in models) <= 64
+
+
+def test_made_up_model_names_do_not_take_the_label_slots() -> None:
+    # Static replicas accept any model string: a name is a label only once a replica sent content for it.
+    h = Harness()
+    for index in range(MAX_MODEL_LABELS + 5):
+        request = new_request()
+        request.parsed = dataclasses.replace(request.parsed, model=f"made-up-{index}")
+        h.drain(request)  # never served: no content
+        h.finish(request)
+    served = new_request()
+    served.parsed = dataclasses.replace(served.parsed, model="tiny-served")
+    h.drain(served)
+    serve(h, served, "att-1", "10.0.0.1:8000", content=ROLE + C1 + FINISH + DONE_EVENT)
+    h.finish(served)
+    models = {dict(k)["gen_ai.request.model"] for k in points(h, "router_sidecar.requests")}
+    assert models == {"other", "tiny-served"}
 
 
 def test_a_request_whose_id_was_taken_leaves_nothing() -> None:
