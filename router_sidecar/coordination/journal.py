@@ -141,6 +141,11 @@ def _encoded(event: dict[str, Any]) -> dict[str, Any]:
         return event
 
 
+async def _claim_settled(entry: _Entry) -> None:
+    if entry.claiming is not None and not entry.claiming.done():
+        await asyncio.shield(entry.claiming)
+
+
 def _stamped(content: bytes) -> bytes:
     """The record's JSON with its `updated_at` (wall clock) appended."""
     return content[:-1] + b',"updated_at":' + str(round(time.time(), 6)).encode() + b"}"
@@ -266,8 +271,7 @@ class Journal:
         placement learns later (e.g. that its release lost a race with a reset) is written as it comes."""
         entry = self._entry(request)
         entry.finished = True
-        if entry.claiming is not None and not entry.claiming.done():
-            await asyncio.shield(entry.claiming)  # a run refused by its claim is not counted, nor traced
+        await _claim_settled(entry)  # a run refused by its claim is not counted, nor traced
         self._take_events(request, entry)
         if self._telemetry is not None and not entry.lost:
             self._telemetry.finished(request)
@@ -350,8 +354,7 @@ class Journal:
                     log.error("journal: gave up recording request %s: %s", request.request_id, exc)
 
     async def _put(self, request: LogicalRequest, entry: _Entry, kind: str) -> None:
-        if entry.claiming is not None and not entry.claiming.done():
-            await asyncio.shield(entry.claiming)  # the claim creates the record; nothing may before it
+        await _claim_settled(entry)  # the claim creates the record; nothing may before it
         if entry.lost:
             return
         entry.written_at = time.monotonic()  # also when nothing is new: progress writes stay spaced
@@ -403,8 +406,9 @@ class Journal:
         """The record is this run's: claimed (not refused by its claim, or still claiming), and not closed by
         another instance."""
         entry = self._entries.get(request)
-        claimed = entry is not None and (entry.claiming is None or entry.claiming.done())
-        return claimed and entry is not None and not entry.lost
+        if entry is None or entry.lost:
+            return False
+        return entry.claiming is None or entry.claiming.done()
 
     def view(self, request: LogicalRequest) -> dict[str, Any]:
         """The record as it would be stored now (for look-ups of requests still in flight here)."""

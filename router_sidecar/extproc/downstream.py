@@ -297,17 +297,13 @@ class Inference(PassThrough):
     def _id_header(self) -> list[tuple[str, str]]:
         return [("x-request-id", self._request_id)]
 
-    async def _claim_result(self) -> ClaimConflict | None:
-        claim = self._live.claim if self._live is not None else None
-        return None if claim is None else await asyncio.shield(claim)
-
     # --- response --------------------------------------------------------------------------------------
 
     async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         if self._live is None:
             return m.response_headers_reply()
         self._response_seen = True
-        conflict = await self._claim_result()
+        conflict = await self._live.claim_conflict()
         if conflict is not None:
             if self._claim_answered:
                 return None  # the refusal went out already

@@ -31,6 +31,12 @@ class Live:
     # The journal claim of the request's id (set by the downstream stream): None once settled in this run's
     # favour (or etcd is away), else the conflict. Nothing reaches the client before it is settled.
     claim: asyncio.Task[ClaimConflict | None] | None = None
+
+    async def claim_conflict(self) -> ClaimConflict | None:
+        """Wait until the claim is settled (shielded: a stream that goes does not cancel it); the conflict if
+        the id is another run's."""
+        return None if self.claim is None else await asyncio.shield(self.claim)
+
     _unwatch: Callable[[], None] | None = None
 
     def watch_publisher(self, liveness: LivenessMonitor, attempt: Attempt, progress: Tracked) -> None:

@@ -327,8 +327,7 @@ class UpstreamStream:
     async def _claim_conflict(self) -> bool:
         """Wait until the request's journal claim is settled (it runs beside the first attempt); True when
         the id is another run's: then nothing of this one may be released."""
-        claim = self._live.claim if self._live is not None else None
-        return claim is not None and await asyncio.shield(claim) is not None
+        return self._live is not None and await self._live.claim_conflict() is not None
 
 
 def _answer(request: LogicalRequest, verdict: a.TriggerRetry | a.FailRequest) -> m.ProcessingResponse:
