@@ -53,6 +53,10 @@ LATE_NEWS_SECONDS = 10.0
 # A write that etcd did not take is retried with back-off, for about ten minutes.
 WRITE_RETRIES = 130
 WRITE_RETRY_MAX_SECONDS = 5.0
+# On an etcd cluster, a claim etcd did not take is tried again for this long: a leader election after a
+# member's loss takes a few seconds, and a request whose claim fails is served without retries.
+CLAIM_PATIENCE_SECONDS = 6.0
+CLAIM_RETRY_INTERVAL_SECONDS = 0.25
 
 
 class RecordTaken(StoreUnavailable):
@@ -210,19 +214,25 @@ class Journal:
         key = keys.request(request.tenant, request.request_id)
         content = self._content(request, entry)
         value = _stamped(content)
-        lease = await self._leases.current()
-        index = self._index_ops(request, lease)
+        patience = time.monotonic() + (CLAIM_PATIENCE_SECONDS if self._store.replicated else 0.0)
+        while True:
+            started = time.perf_counter()
+            try:
+                lease = await self._leases.current()
+                index = self._index_ops(request, lease)
+                existing = await self._store.create(key, value, lease, also=index)
+                break
+            except StoreUnavailable:
+                self._written("claim", started, ok=False)
+                if time.monotonic() >= patience:
+                    raise
+            await asyncio.sleep(CLAIM_RETRY_INTERVAL_SECONDS)
+        self._written("claim", started, ok=True)
         # Only once etcd confirmed the create: a write conditional on an entry that never came to be would be
         # refused for good. (If etcd took it but its answer was lost, the entry outlives the request until a
-        # sweep after this instance is gone, or its retention: harmless.)
-        started = time.perf_counter()
-        try:
-            existing = await self._store.create(key, value, lease, also=index)
-        except StoreUnavailable:
-            self._written("claim", started, ok=False)
-            raise
-        self._written("claim", started, ok=True)
-        if existing is None:
+        # sweep after this instance is gone, or its retention: harmless.) Our own value found: an earlier try
+        # was taken though its answer was lost (the value is stamped, so no other run's is equal to it).
+        if existing is None or existing == value:
             entry.in_flight_indexed, entry.written = bool(index), content
             return
         try:

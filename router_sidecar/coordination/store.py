@@ -105,6 +105,10 @@ class Store(Protocol):
     An implementation subclasses `Store` and implements `_commit`; `create`, `replace` and `put` are written
     here once, on top of it."""
 
+    # Several members behind it: an unavailable call is most likely a member lost or a leader election, over
+    # within seconds while the others keep quorum (a caller may wait that out rather than give up).
+    replicated: bool = False
+
     async def create(
         self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
     ) -> bytes | None:
@@ -212,7 +216,8 @@ class EtcdStore(Store):
         self._target = grpc_target(endpoint)
         # Round robin over the members: load spreads, and a member that dies leaves the picker (its calls
         # fail with UNAVAILABLE, which callers retry) while the others keep serving.
-        self._channel_options = {"grpc.lb_policy_name": "round_robin"} if "," in endpoint else {}
+        self.replicated = "," in endpoint
+        self._channel_options = {"grpc.lb_policy_name": "round_robin"} if self.replicated else {}
         self._client = self.new_client()
 
     def new_client(self, options: dict[str, Any] | None = None) -> Any:

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from router_sidecar.coordination import journal as journal_module
 from router_sidecar.coordination.journal import ClaimConflict, Journal, RecordTaken
-from router_sidecar.coordination.store import Also, Lease, MemoryStore, keys
+from router_sidecar.coordination.store import Also, Lease, MemoryStore, StoreUnavailable, keys
 from router_sidecar.core.attempt import (
     Failed,
     FenceProven,
@@ -230,6 +231,79 @@ def test_claim_conflict_in_the_same_journal() -> None:
         assert info.value.in_flight is True
         assert info.value.existing["request_id"] == "idem-1"
         assert stored(store, "tenant-a", "idem-1")["model"] == "first"
+
+    run(go)
+
+
+class ElectingStore(MemoryStore):
+    """A replicated store whose first creates fail as during a leader election: `lost_answers` of them are
+    taken but their answer is lost, then `refused` are not taken at all."""
+
+    replicated = True
+
+    def __init__(self, *, lost_answers: int = 0, refused: int = 0) -> None:
+        super().__init__()
+        self.lost_answers, self.refused, self.tries = lost_answers, refused, 0
+
+    async def create(
+        self, key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+    ) -> bytes | None:
+        self.tries += 1
+        if self.lost_answers:
+            self.lost_answers -= 1
+            await super().create(key, value, lease, also=also)
+            raise StoreUnavailable("the answer was lost")
+        if self.refused:
+            self.refused -= 1
+            raise StoreUnavailable("etcdserver: no leader")
+        return await super().create(key, value, lease, also=also)
+
+
+def test_a_claim_on_a_cluster_waits_out_an_election(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0)
+
+    async def go() -> None:
+        store = ElectingStore(refused=2)
+        await journal(store).claim(request())
+        assert store.tries == 3 and stored(store, "tenant-a", "idem-1")["phase"] == "prefill"
+
+    run(go)
+
+
+def test_a_claim_taken_though_its_answer_was_lost_is_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0)
+
+    async def go() -> None:
+        store = ElectingStore(lost_answers=1)
+        j = journal(store)
+        await j.claim(request())  # the second try finds its own record: no ClaimConflict
+        assert store.tries == 2
+        with pytest.raises(ClaimConflict):  # while another run of the id still conflicts
+            await j.claim(request(model="second"))
+
+    run(go)
+
+
+def test_a_claim_on_a_cluster_gives_up_after_its_patience(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0)
+    monkeypatch.setattr(journal_module, "CLAIM_PATIENCE_SECONDS", 0.05)
+
+    async def go() -> None:
+        store = ElectingStore(refused=10**9)
+        with pytest.raises(StoreUnavailable):
+            await journal(store).claim(request())
+        assert store.tries > 1
+
+    run(go)
+
+
+def test_a_claim_on_one_etcd_fails_at_once() -> None:
+    async def go() -> None:
+        store = ElectingStore(refused=1)
+        store.replicated = False
+        with pytest.raises(StoreUnavailable):
+            await journal(store).claim(request())
+        assert store.tries == 1
 
     run(go)
 
