@@ -144,6 +144,11 @@ def _prompt_count(prompt: Any) -> int:
     return 1
 
 
+# A model name is copied into the journal record (twice) and the telemetry: bounded, so that no request can
+# make its record too large for etcd (1.5 MiB per request). Hugging Face ids and served names are far shorter.
+MAX_MODEL_NAME_CHARS = 1024
+
+
 def parse_request(
     kind: RouteKind,
     body: bytes,
@@ -198,6 +203,14 @@ def parse_request(
     model = req.get("model")
     if not isinstance(model, str) or not model:
         _reject(400, "missing_model", "`model` must be a non-empty string naming a served model.", "model")
+    if len(model) > MAX_MODEL_NAME_CHARS:
+        _reject(
+            400,
+            "invalid_parameter",
+            f"`model` is {len(model)} characters long; this gateway accepts at most {MAX_MODEL_NAME_CHARS}. "
+            "Name a served model.",
+            "model",
+        )
     if known_models is not None and model not in known_models:
         known = ", ".join(sorted(known_models)) or "(none)"
         _reject(

@@ -692,6 +692,12 @@ BAD_BODIES: dict[str, tuple[bytes, int, str | None]] = {
     "deep_array": (DEEP, 400, "json_too_deep"),
     "deep_messages": (b'{"model":"tiny","messages":' + DEEP + b',"stream":true}', 400, "json_too_deep"),
     "array_body": (b'[{"model":"tiny","messages":[]}]', 400, None),
+    # Copied into the journal record: a 2 MiB name would make it too large for etcd.
+    "huge_model_name": (
+        b'{"model":"' + b"m" * (2 * MiB) + b'","stream":true,"messages":[{"role":"user","content":"hi"}]}',
+        400,
+        "invalid_parameter",
+    ),
     "oversize": (
         b'{"model":"tiny","stream":true,"messages":[{"role":"user","content":"'
         + b"x" * (4 * MiB + 16)

@@ -27,7 +27,7 @@ from router_sidecar.core.attempt import (
     WriteAhead,
 )
 from router_sidecar.core.events import EventName
-from router_sidecar.core.openai_api import RouteKind, parse_request
+from router_sidecar.core.openai_api import MAX_MODEL_NAME_CHARS, RouteKind, parse_request
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
 from router_sidecar.core.request import (
     DeadlineReached,
@@ -585,7 +585,7 @@ def test_thousands_of_tool_calls_still_encode_far_below_one_mib() -> None:
     async def go() -> None:
         store = MemoryStore()
         j = journal(store, max_events=DEFAULT_POLICY.journal.max_events)
-        r = request()
+        r = request(model="m" * MAX_MODEL_NAME_CHARS)  # the longest name admitted
         await j.claim(r)
         failed(r, attempt_id="a1")
         released(r, "a2", "r2")

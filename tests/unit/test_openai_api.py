@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from router_sidecar.core.openai_api import (
+    MAX_MODEL_NAME_CHARS,
     ParsedRequest,
     RequestRejected,
     RouteKind,
@@ -178,6 +179,14 @@ def test_missing_model(model: Any) -> None:
         del obj["model"]
     e = rejected(obj)
     assert (e.status, e.code, e.param) == (400, "missing_model", "model")
+
+
+def test_a_model_name_longer_than_the_bound_is_refused() -> None:
+    longest = "m" * MAX_MODEL_NAME_CHARS
+    assert parse({**CHAT, "model": longest}, known_models=None).model == longest
+    e = rejected({**CHAT, "model": "m" * (MAX_MODEL_NAME_CHARS + 1)})
+    assert (e.status, e.code, e.param) == (400, "invalid_parameter", "model")
+    assert f"at most {MAX_MODEL_NAME_CHARS}" in e.message
 
 
 def test_model_not_found_lists_known() -> None:
