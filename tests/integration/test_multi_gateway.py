@@ -284,7 +284,10 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     finally:
         os.killpg(doomed.proc.pid, signal.SIGKILL)
         doomed.stop()
-        streaming.join(30)
+    # What the dead instance last journaled (its owner lease has 2 s to lapse before anyone closes it).
+    status, last = deployment.gateways[1].journal(key)
+    assert status == 200 and last["phase"] == "decode", last
+    streaming.join(30)
     result = client["r"]
     assert 0 < len(result.content_chunks()) < 400, "the stream was to be cut mid-way"
     survivor = deployment.gateways[0]
@@ -293,6 +296,7 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     lost = [e for e in record["events"] if e["event"] == "gateway_lost"]
     assert len(lost) == 1 and lost[0]["owner"] == record["owner"]
     assert lost[0]["closed_by"] != record["owner"]
+    assert record["delivered_output_tokens"] == last["delivered_output_tokens"], (last, record)
     assert 0 < record["delivered_output_tokens"] <= len(result.content_chunks()) + 1
     # The attempt's right to publish went with it: the closer revoked its lease (well before its TTL).
     lease_id = int(record["attempts"][-1]["lease"]["lease_id"], 16)
