@@ -257,6 +257,40 @@ def test_callers_without_a_credential_are_refused_on_tools_and_look_ups(
     assert lookup.status_code == 401 and lookup.json()["error"]["code"] == "authentication_required"
 
 
+def test_with_refuse_anonymous_off_callers_without_a_credential_share_one_tenant(
+    etcd: str, toolsvc: ToolSvcProcess, agents_and_gateway: tuple[Gateway, dict[str, Sim]], tmp_path: Path
+) -> None:
+    """The switch's other side: an operator who turns it off (every caller is trusted, e.g. behind an
+    authenticating proxy) gets tool calls and look-ups for callers without a credential, all in one tenant."""
+    config = tmp_path / "policy.yaml"
+    config.write_text(POLICY + "\ntenancy:\n  refuse_anonymous: false\n")
+    open_gateway = Gateway(
+        replicas=[s.endpoint for s in agents_and_gateway[1].values()],
+        etcd=etcd,
+        work=tmp_path,
+        config=config,
+        tools=(f"payments={toolsvc.address}",),
+    )
+    try:
+        key = "anonymous-allowed:call_01"
+        url = f"{open_gateway.url}/tools/payments/charge"
+        first = httpx.post(url, json={"amount": 1}, headers={"idempotency-key": key}, timeout=15)
+        assert first.status_code == 200, first.text
+        again = httpx.post(url, json={"amount": 1}, headers={"idempotency-key": key}, timeout=15)
+        assert again.headers.get("x-idempotent-replay") == "true" and again.content == first.content
+        assert len(executions(toolsvc, key)) == 1
+        lookup = httpx.get(f"{open_gateway.url}/v1/requests/req_anything", timeout=10)
+        assert (lookup.status_code, lookup.json()["error"]["code"]) == (404, "request_not_found"), lookup.text
+        # Still no one's but the anonymous tenant's: a caller with a credential does not see the stored call.
+        other = httpx.post(
+            url, json={"amount": 1}, headers=with_credential({"idempotency-key": key}), timeout=15
+        )
+        assert other.status_code == 200 and other.headers.get("x-idempotent-replay") is None
+        assert len(executions(toolsvc, key)) == 2
+    finally:
+        open_gateway.stop()
+
+
 def test_a_tool_call_without_a_key_is_refused(gateway: Gateway, toolsvc: ToolSvcProcess) -> None:
     before = len(read_executions(toolsvc.log_path or ""))
     response = call_tool(gateway, None, {"amount": 6})
