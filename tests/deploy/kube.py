@@ -44,11 +44,18 @@ def render(kustomization: str) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def pod_template(workload: Obj) -> Obj:
+    """A workload's Pod template (a CronJob's is in its Job template)."""
+    spec = workload["spec"]["jobTemplate"]["spec"] if workload["kind"] == "CronJob" else workload["spec"]
+    template: Obj = spec["template"]
+    return template
+
+
 def pod_specs(objects: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
     """(workload, its Pod spec) for every workload in a render."""
     for obj in objects:
-        if obj["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "Job"}:
-            yield obj, obj["spec"]["template"]["spec"]
+        if obj["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob"}:
+            yield obj, pod_template(obj)["spec"]
 
 
 def containers(spec: Obj) -> Iterator[Obj]:

@@ -20,6 +20,7 @@ from tests.deploy.kube import (
     containers,
     find,
     pod_specs,
+    pod_template,
 )
 
 KUBERNETES_VERSION = "1.32.0"
@@ -87,7 +88,7 @@ def test_recommended_labels(rendered: dict[str, list[Obj]]) -> None:
             assert not missing, f"{name}: {obj['kind']}/{obj['metadata']['name']} lacks {missing}"
             assert labels["app.kubernetes.io/part-of"] == "router-sidecar"
         for workload, _ in pod_specs(objects):
-            template_labels = workload["spec"]["template"]["metadata"]["labels"]
+            template_labels = pod_template(workload)["metadata"]["labels"]
             assert all(k in template_labels for k in LABELS), workload["metadata"]["name"]
 
 
@@ -96,7 +97,7 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def _pod_labels(objects: list[Obj]) -> list[tuple[Obj, dict[str, str]]]:
-    return [(w, w["spec"]["template"]["metadata"]["labels"]) for w, _ in pod_specs(objects)]
+    return [(w, pod_template(w)["metadata"]["labels"]) for w, _ in pod_specs(objects)]
 
 
 @pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k != "envoy-gateway"])
@@ -104,8 +105,10 @@ def test_selectors_and_ports_agree(rendered: dict[str, list[Obj]], kustomization
     objects = rendered[kustomization]
     pods = _pod_labels(objects)
     for workload, _ in pod_specs(objects):
+        if workload["kind"] in {"Job", "CronJob"}:
+            continue  # the Job controller writes their selector
         selector = workload["spec"]["selector"]["matchLabels"]
-        assert _selects(selector, workload["spec"]["template"]["metadata"]["labels"])
+        assert _selects(selector, pod_template(workload)["metadata"]["labels"])
     for service in (o for o in objects if o["kind"] == "Service"):
         targets = [w for w, labels in pods if _selects(service["spec"]["selector"], labels)]
         assert targets, f"Service {service['metadata']['name']} selects no Pod"
@@ -247,24 +250,111 @@ def test_etcd_statefulset(rendered: dict[str, list[Obj]]) -> None:
     assert find(objects, "PodDisruptionBudget", name)["spec"]["maxUnavailable"] == 1
 
 
-def test_etcd_network_policy_admits_only_gateways_agents_and_peers(rendered: dict[str, list[Obj]]) -> None:
-    objects = rendered["overlays/etcd-statefulset"]
+def _etcd_admitted(objects: list[Obj]) -> dict[int, set[str]]:
+    """Port -> the workloads whose Pods the etcd NetworkPolicy admits to it."""
     policy = find(objects, "NetworkPolicy", "router-sidecar-etcd")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     pods = {w["metadata"]["name"]: labels for w, labels in _pod_labels(objects)}
     admitted: dict[int, set[str]] = {}
     for rule in policy["spec"]["ingress"]:
+        assert all(set(peer) == {"podSelector"} for peer in rule["from"]), "no namespace/IP-wide rule"
         sources = {
             name
             for peer in rule["from"]
             for name, labels in pods.items()
             if _selects(peer["podSelector"]["matchLabels"], labels)
         }
-        assert all(set(peer) == {"podSelector"} for peer in rule["from"]), "no namespace/IP-wide rule"
         for port in rule["ports"]:
             admitted.setdefault(port["port"], set()).update(sources)
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert admitted[2379] == {"router-sidecar-gateway", "router-sidecar-replica", "router-sidecar-etcd"}
-    assert admitted[2380] == {"router-sidecar-etcd"}
+    return admitted
+
+
+def test_etcd_network_policy_admits_only_gateways_agents_defrag_and_peers(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    admitted = _etcd_admitted(rendered["overlays/etcd-statefulset"])
+    assert admitted == {
+        2379: {
+            "router-sidecar-gateway",
+            "router-sidecar-replica",
+            "router-sidecar-etcd-defrag",
+            "router-sidecar-etcd",
+        },
+        2380: {"router-sidecar-etcd"},
+    }
+
+
+def _go_duration_seconds(text: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600}
+    parts = re.fullmatch(r"(?:\d+[hms])+", text) and re.findall(r"(\d+)([hms])", text)
+    assert parts, f"not a duration: {text!r}"
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def _etcdctl(c: Obj) -> tuple[dict[str, str], list[str]]:
+    """An etcdctl container's --flag=value options and its other words."""
+    assert c["command"] == ["etcdctl"], c["name"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
+    words = [a for a in c["args"] if not (a.startswith("--") and "=" in a)]
+    return flags, words
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_etcd_defrag_cronjob(rendered: dict[str, list[Obj]], kustomization: str) -> None:
+    """Where the etcd StatefulSet is, and only there: daily, never two runs at once; every member, one at a
+    time, each only after every member answered a status request; with the members' own image (etcdctl);
+    admitted by the NetworkPolicy to 2379 only."""
+    objects = rendered[kustomization]
+    crons = [o for o in objects if o["kind"] == "CronJob"]
+    if not any(o["kind"] == "StatefulSet" for o in objects):
+        assert not crons
+        return
+    assert len(crons) == 1
+    sts = find(objects, "StatefulSet", "router-sidecar-etcd")
+    (etcd,) = sts["spec"]["template"]["spec"]["containers"]
+    cron = find(objects, "CronJob", "router-sidecar-etcd-defrag")
+    minute, hour, *rest = cron["spec"]["schedule"].split()
+    assert minute.isdigit() and hour.isdigit() and rest == ["*", "*", "*"], "once a day at a fixed time"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    job = cron["spec"]["jobTemplate"]["spec"]
+    assert 0 < job["backoffLimit"] <= 3
+    spec = pod_template(cron)["spec"]
+    assert spec["restartPolicy"] == "Never", "a failed step fails the Pod: the next member is not touched"
+    steps = list(containers(spec))
+    assert {c["image"] for c in steps} == {etcd["image"]}
+
+    # The steps alternate: a cluster-wide status check, then one member's defrag; a final status.
+    name, peers, replicas = sts["metadata"]["name"], sts["spec"]["serviceName"], sts["spec"]["replicas"]
+    client = find(objects, "Service", name)
+    client_port = next(p["port"] for p in client["spec"]["ports"] if p["name"] == "client")
+    peer_port = next(
+        p["port"] for p in find(objects, "Service", peers)["spec"]["ports"] if p["name"] == "client"
+    )
+    defragged, timeouts = [], []
+    for i, c in enumerate(steps):
+        flags, words = _etcdctl(c)
+        if i % 2 == 0:
+            assert words == ["endpoint", "status", "--cluster"], c["name"]
+            assert flags["endpoints"] == f"http://{name}:{client_port}", c["name"]
+        else:
+            assert words == ["defrag"], c["name"]
+            assert "--cluster" not in c["args"]
+            defragged.append(flags["endpoints"])
+            timeouts.append(_go_duration_seconds(flags["command-timeout"]))
+    assert len(steps) == 2 * replicas + 1 and steps[-1] in spec["containers"]
+    assert defragged == [f"http://{name}-{i}.{peers}:{peer_port}" for i in range(replicas)]
+    # The client waits for a whole defrag (one it gave up on would still run when the next one starts), and
+    # the deadline leaves room for all of them.
+    assert min(timeouts) >= 300
+    assert job["activeDeadlineSeconds"] > sum(timeouts)
+
+    # Its Pods are not etcd members to the Services, the PDB or the anti-affinity, and reach etcd's client
+    # port only.
+    labels = pod_template(cron)["metadata"]["labels"]
+    assert not _selects(sts["spec"]["selector"]["matchLabels"], labels)
+    admitted = _etcd_admitted(objects)
+    assert cron["metadata"]["name"] in admitted[2379]
+    assert cron["metadata"]["name"] not in admitted[2380]
 
 
 def _without_etcd_config(objects: list[Obj]) -> list[Any]:
