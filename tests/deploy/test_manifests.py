@@ -92,6 +92,21 @@ def test_recommended_labels(rendered: dict[str, list[Obj]]) -> None:
             assert all(k in template_labels for k in LABELS), workload["metadata"]["name"]
 
 
+CLUSTER_SCOPED = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding", "GatewayClass"})
+
+
+def test_every_namespaced_object_is_in_the_namespace(rendered: dict[str, list[Obj]]) -> None:
+    """A component's objects get no namespace from the base's kustomization: without the overlay's own,
+    `kubectl apply -k` would put etcd in whatever namespace is current, where the gateways never find it."""
+    for name, objects in rendered.items():
+        if name == "envoy-gateway":
+            continue  # attaches to the user's Gateway, in the user's namespaces
+        for obj in objects:
+            where = obj["metadata"].get("namespace")
+            what = f"{name}: {obj['kind']}/{obj['metadata']['name']} in {where}"
+            assert obj["kind"] in CLUSTER_SCOPED or where == "router-sidecar", what
+
+
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
