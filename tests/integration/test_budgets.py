@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,3 +114,33 @@ def retry_counters(gateway: Gateway) -> dict[str, int]:
         k.removeprefix("cluster.llm."): int(v)
         for k, v in (ln.split(": ") for ln in stats.strip().splitlines())
     }
+
+
+def test_a_pool_wide_failure_at_the_default_budget_does_not_double_the_load(
+    gateway: Gateway, sims: dict[str, Sim]
+) -> None:
+    """Default policy (max_attempts 2, retry budget 50 % of the requests in flight, at least 3): every
+    attempt of every request fails before its first delta, slowly enough that they overlap. Envoy lets about
+    half of them retry and refuses the rest: the pool sees well under twice the requests, and every client
+    gets one JSON error naming why, never a partial body."""
+    count = 32
+    keys = [f"pool-wide-{uuid.uuid4().hex[:8]}-{i}" for i in range(count)]
+
+    def one(i: int) -> ClientResult:
+        headers = {"x-sim-fault": "delay@role for=0.4; reset@role", "idempotency-key": keys[i]}
+        return post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=2), headers=headers)
+
+    before = retry_counters(gateway)
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        results = list(pool.map(one, range(count)))
+    after = retry_counters(gateway)
+    overflow = after["upstream_rq_retry_overflow"] - before["upstream_rq_retry_overflow"]
+    retried = after["upstream_rq_retry"] - before["upstream_rq_retry"]
+    served = sum(len(sim.requests_for(key)) for sim in sims.values() for key in keys)
+    assert retried + overflow == count and served == count + retried, (retried, overflow, served)
+    assert 1 <= retried <= 0.75 * count, (retried, overflow)  # ~half: the budget, not max_attempts, bounds it
+    for result in results:
+        assert result.status in (502, 503) and result.headers["content-type"] == "application/json", result
+        error = json.loads(result.body)["error"]
+        assert error["request_id"] == result.request_id
+        assert error["code"] in ("retries_exhausted", "retry_budget_exhausted"), error
