@@ -26,12 +26,12 @@ import collections
 import hashlib
 import json
 import logging
+import random
 import time
 from typing import TYPE_CHECKING, Any
 
 from router_sidecar.coordination.store import (
     Delete,
-    Lease,
     Put,
     RetentionLeases,
     Store,
@@ -178,17 +178,18 @@ class Journal:
         self._entries: dict[LogicalRequest, _Entry] = {}  # by identity: one id may be re-run
         self._leases = RetentionLeases(store, retention_seconds)
 
-    async def claim(self, request: LogicalRequest) -> None:
+    async def claim(self, request: LogicalRequest, *, patient: bool = True) -> None:
         """Create the record if the id is free (or held by a failed run that delivered nothing).
 
         Raises ClaimConflict when another logical request holds the id (nothing of this one is ever written
         then); StoreUnavailable when etcd is down. The other writes of the request may be asked for while the
-        claim is in flight (it runs beside the first attempt): they wait for it.
+        claim is in flight (it runs beside the first attempt): they wait for it. `patient`: on an etcd
+        cluster, an unavailable etcd is tried again for CLAIM_PATIENCE_SECONDS (an election) before giving up.
         """
         entry = self.begin(request)
         assert entry.claiming is not None
         try:
-            await self._claim(request, entry)
+            await self._claim(request, entry, patient=patient)
         except (ClaimConflict, StoreUnavailable):
             raise
         except BaseException:
@@ -209,31 +210,35 @@ class Journal:
             self._take_events(request, entry)
         return entry
 
-    async def _claim(self, request: LogicalRequest, entry: _Entry) -> None:
+    async def _claim(self, request: LogicalRequest, entry: _Entry, *, patient: bool) -> None:
         self._take_events(request, entry)
         key = keys.request(request.tenant, request.request_id)
+        # What the record says and whether it is indexed as in flight are decided once, together: every try
+        # writes the same (a request that ends meanwhile is written so by its later writes).
         content = self._content(request, entry)
         value = _stamped(content)
-        patience = time.monotonic() + (CLAIM_PATIENCE_SECONDS if self._store.replicated else 0.0)
+        indexed = self._indexed(request)
+        patience = time.monotonic() + (CLAIM_PATIENCE_SECONDS if patient and self._store.replicated else 0.0)
         while True:
             started = time.perf_counter()
             try:
                 lease = await self._leases.current()
-                index = self._index_ops(request, lease)
+                index = [Put(self._index_key(request), b"", lease)] if indexed else []
                 existing = await self._store.create(key, value, lease, also=index)
                 break
             except StoreUnavailable:
                 self._written("claim", started, ok=False)
                 if time.monotonic() >= patience:
                     raise
-            await asyncio.sleep(CLAIM_RETRY_INTERVAL_SECONDS)
+            # Jittered: the claims of one moment do not all come back at once.
+            await asyncio.sleep(CLAIM_RETRY_INTERVAL_SECONDS * random.uniform(0.5, 1.5))
         self._written("claim", started, ok=True)
         # Only once etcd confirmed the create: a write conditional on an entry that never came to be would be
         # refused for good. (If etcd took it but its answer was lost, the entry outlives the request until a
         # sweep after this instance is gone, or its retention: harmless.) Our own value found: an earlier try
         # was taken though its answer was lost (the value is stamped, so no other run's is equal to it).
         if existing is None or existing == value:
-            entry.in_flight_indexed, entry.written = bool(index), content
+            entry.in_flight_indexed, entry.written = indexed, content
             return
         try:
             record = json.loads(existing)
@@ -247,7 +252,7 @@ class Journal:
             and not record.get("first_delta_sent")
             and await self._store.replace(key, existing, value, lease, also=index)
         ):
-            entry.in_flight_indexed, entry.written = bool(index), content
+            entry.in_flight_indexed, entry.written = indexed, content
             return
         # The id belongs to someone else: write nothing of this run, ever. The entry stays (until `release`)
         # so that a write asked for meanwhile finds it lost rather than creating a record.
@@ -407,10 +412,9 @@ class Journal:
         assert self.instance is not None
         return keys.in_flight(self.instance, request.tenant, request.request_id)
 
-    def _index_ops(self, request: LogicalRequest, lease: Lease) -> list[Put]:
-        if self.instance is None or request.phase in TERMINAL_PHASES:
-            return []
-        return [Put(self._index_key(request), b"", lease)]
+    def _indexed(self, request: LogicalRequest) -> bool:
+        """A record is indexed as in flight under its owner until it ends (with ownership only)."""
+        return self.instance is not None and request.phase not in TERMINAL_PHASES
 
     def serves(self, request: LogicalRequest) -> bool:
         """The record is this run's: claimed (not refused by its claim, or still claiming), and not closed by

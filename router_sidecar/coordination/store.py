@@ -216,7 +216,7 @@ class EtcdStore(Store):
         self._target = grpc_target(endpoint)
         # Round robin over the members: load spreads, and a member that dies leaves the picker (its calls
         # fail with UNAVAILABLE, which callers retry) while the others keep serving.
-        self.replicated = "," in endpoint
+        self.replicated = "," in endpoint  # or one name for several members: `learn_membership` tells
         self._channel_options = {"grpc.lb_policy_name": "round_robin"} if self.replicated else {}
         self._client = self.new_client()
 
@@ -242,6 +242,12 @@ class EtcdStore(Store):
     async def check(self) -> None:
         """Raise StoreUnavailable unless etcd answers a status call now."""
         await self._call(self._client.status())
+
+    async def learn_membership(self) -> int:
+        """How many members the cluster has (asked of etcd: one DNS name may stand for several)."""
+        members = await self._call(_count(self._client.members()))
+        self.replicated = self.replicated or members > 1
+        return members
 
     def _ops(self, also: Also) -> list[object]:
         tx = self._client.transactions
@@ -339,14 +345,24 @@ class RetentionLeases:
         self._bucket_seconds = max(1.0, retention_seconds / 10)
         self._lease: Lease | None = None
         self._bucket = -1.0
+        self._granting = asyncio.Lock()
 
     async def current(self) -> Lease:
         bucket = time.time() // self._bucket_seconds
-        if self._lease is None or bucket != self._bucket:
-            ttl = max(1, math.ceil(self._retention + self._bucket_seconds))
-            self._lease = await self._store.grant_lease(ttl)
-            self._bucket = bucket
-        return self._lease
+        if self._lease is not None and bucket == self._bucket:
+            return self._lease
+        # One grant for everyone asking at once (a bucket's start, or etcd back after an outage): each lease
+        # lives a whole retention period.
+        async with self._granting:
+            if self._lease is None or bucket != self._bucket:
+                ttl = max(1, math.ceil(self._retention + self._bucket_seconds))
+                self._lease = await self._store.grant_lease(ttl)
+                self._bucket = bucket
+            return self._lease
+
+
+async def _count(items: AsyncIterator[object]) -> int:
+    return sum([1 async for _ in items])
 
 
 class MemoryStore(Store):

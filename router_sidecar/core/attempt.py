@@ -280,8 +280,11 @@ class Attempt:
     def _headers(self, e: ResponseHeaders) -> list[Decision]:
         self.status, self._headers_arrived = e.status, True
         if e.status == 429:
-            self.retry_after = e.retry_after
-            return self._fail(FailureReason.OVERLOADED, f"replica answered 429 (Retry-After {e.retry_after})")
+            # Seconds or an HTTP-date (29 characters): anything longer is not a Retry-After, and it would be
+            # copied into the journal record and the client's answer.
+            retry_after = e.retry_after if e.retry_after is None or len(e.retry_after) <= 64 else None
+            self.retry_after = retry_after
+            return self._fail(FailureReason.OVERLOADED, f"replica answered 429 (Retry-After {retry_after})")
         if e.status >= 500:
             return self._fail(FailureReason.UPSTREAM_STATUS, f"replica answered {e.status}")
         if e.status >= 300:

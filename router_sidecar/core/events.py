@@ -49,7 +49,7 @@ class Outcome(enum.StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"  # every allowed attempt failed before content
     RETRY_NOT_ALLOWED = "retry_not_allowed"  # cost cap, policy, or no journal to prove a retry safe
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"  # Envoy's cluster retry budget refused the retry
-    REPLICAS_OVERLOADED = "replicas_overloaded"  # every attempt got 429
+    REPLICAS_OVERLOADED = "replicas_overloaded"  # the last allowed attempt got 429
     FENCE_UNPROVABLE = "fence_unprovable"
     NO_COMPATIBLE_REPLICA = "no_compatible_replica"
     NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy found no healthy host to send an attempt to

@@ -426,8 +426,8 @@ def outcome_sentence(record: Any) -> str:
         )
     if outcome == Outcome.REPLICAS_OVERLOADED:
         return (
-            "Every attempt was refused with 429: the client got one error (replicas_overloaded) "
-            "with Retry-After."
+            "The last attempt allowed was refused with 429: the client got one error "
+            "(replicas_overloaded), with the replica's Retry-After if it sent one."
         )
     if record.get("first_delta_sent") or phase == "interrupted":
         ending = _last_event(record, {EventName.STREAM_TERMINATED, EventName.STREAM_RESET})

@@ -244,7 +244,9 @@ class Inference(PassThrough):
         served without retries), else the conflict (another run holds the id)."""
         request = live.request
         try:
-            await self._services.journal.claim(request)
+            # Claimed before forwarding, the claim runs inside Envoy's admission timeout: no patience then.
+            patient = not self._policy.journal.claim_before_forwarding
+            await self._services.journal.claim(request, patient=patient)
         except ClaimConflict as conflict:
             # No retry of this run may start: it ends with the refusal (below) before anything reached the
             # client, and nothing of it is journaled.

@@ -59,6 +59,7 @@ async def connect_store(endpoint: str) -> EtcdStore:
     store = EtcdStore(endpoint)
     try:
         await store.check()
+        await store.learn_membership()
     except StoreUnavailable as exc:
         await store.close()
         raise GatewayError(

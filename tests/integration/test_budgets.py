@@ -120,14 +120,15 @@ def test_a_pool_wide_failure_at_the_default_budget_does_not_double_the_load(
     gateway: Gateway, sims: dict[str, Sim]
 ) -> None:
     """Default policy (max_attempts 2, retry budget 50 % of the requests in flight, at least 3): every
-    attempt of every request fails before its first delta, slowly enough that they overlap. Envoy lets about
+    attempt of every request fails before its first delta, slowly enough (2 s) that they overlap even when a
+    busy machine spreads the requests' arrival. Envoy lets about
     half of them retry and refuses the rest: the pool sees well under twice the requests, and every client
     gets one JSON error naming why, never a partial body."""
     count = 32
     keys = [f"pool-wide-{uuid.uuid4().hex[:8]}-{i}" for i in range(count)]
 
     def one(i: int) -> ClientResult:
-        headers = {"x-sim-fault": "delay@role for=0.4; reset@role", "idempotency-key": keys[i]}
+        headers = {"x-sim-fault": "delay@role for=2; reset@role", "idempotency-key": keys[i]}
         return post(f"{gateway.url}/v1/chat/completions", chat(max_tokens=2), headers=headers)
 
     before = retry_counters(gateway)

@@ -7,6 +7,7 @@ the other. A member of the cluster killed under load (the leader) and restarted 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from router_sidecar.coordination.store import EtcdStore
 from router_testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
 from tests.harness import ClientResult, EtcdCluster, Gateway, Sim, chat, poll, post, with_credential
 
@@ -209,6 +211,22 @@ def test_etcd_leader_killed_and_restarted_under_load_loses_no_journal_record(dep
 _FINAL = ("completed", "interrupted", "failed", "cancelled")
 
 
+def test_a_member_given_alone_is_known_as_one_of_a_cluster(deployment: Deployment, etcd: str) -> None:
+    """`--etcd` may name one member (or one DNS name for all of them): the gateway asks etcd how many there
+    are, and a claim on a cluster waits out an election; on a single etcd it fails at once."""
+
+    async def members(endpoint: str) -> tuple[int, bool]:
+        store = EtcdStore(endpoint)
+        try:
+            return await store.learn_membership(), store.replicated
+        finally:
+            await store.close()
+
+    cluster = deployment.cluster
+    assert asyncio.run(members(cluster.endpoint_of(cluster.names[0]))) == (3, True)
+    assert asyncio.run(members(etcd)) == (1, False)
+
+
 def _records_on(member: str, keys: list[str], *, final: bool) -> dict[str, dict[str, object]] | None:
     """The journal records of `keys` as one member alone holds them (None until it holds them all)."""
     prefix = "/router-sidecar/requests/"
@@ -261,7 +279,8 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     revokes the attempt's lease, so the attempt's key is gone too."""
     config = tmp_path / "policy.yaml"
     # A long attempt TTL: the attempt's lease can only be gone in time because the closer revoked it.
-    policy = {"leases": {"owner_ttl_seconds": 2, "attempt_ttl_seconds": 60}}
+    # Owner TTL 5 s: the record must still be the dead instance's when the test reads it after the kill.
+    policy = {"leases": {"owner_ttl_seconds": 5, "attempt_ttl_seconds": 60}}
     config.write_text(yaml.safe_dump({**policy, "journal": {"progress_interval_seconds": 0.2}}))
     doomed = Gateway(
         replicas=[s.endpoint for s in deployment.sims.values()],
@@ -284,7 +303,7 @@ def test_a_gateway_killed_mid_stream_has_its_open_records_closed_by_another(
     finally:
         os.killpg(doomed.proc.pid, signal.SIGKILL)
         doomed.stop()
-    # What the dead instance last journaled (its owner lease has 2 s to lapse before anyone closes it).
+    # What the dead instance last journaled (its owner lease has 5 s to lapse before anyone closes it).
     status, last = deployment.gateways[1].journal(key)
     assert status == 200 and last["phase"] == "decode", last
     streaming.join(30)

@@ -1035,6 +1035,14 @@ def test_overloaded_keeps_retry_after_and_status() -> None:
     assert (attempt.status, attempt.retry_after, attempt.failure) == (429, "7", FailureReason.OVERLOADED)
 
 
+def test_a_retry_after_too_long_to_be_one_is_dropped() -> None:
+    date = "Wed, 21 Oct 2026 07:28:00 GMT"
+    assert drive([H(429, JSON, retry_after=date)]).retry_after == date
+    attempt = drive([H(429, JSON, retry_after="9" * 60_000)])  # a hostile replica's header
+    assert (attempt.retry_after, attempt.failure) == (None, FailureReason.OVERLOADED)
+    assert len(attempt.detail or "") < 100
+
+
 def test_status_is_recorded() -> None:
     assert drive([H(503)]).status == 503
     assert drive([H(404, JSON)]).status == 404

@@ -297,6 +297,78 @@ def test_a_claim_on_a_cluster_gives_up_after_its_patience(monkeypatch: pytest.Mo
     run(go)
 
 
+def test_a_request_that_ends_while_its_claim_is_tried_again_keeps_its_index_consistent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record and its in-flight index entry are decided together, once: a request that ends between two
+    tries is created with its index entry (as it was when the claim began), and its end removes it."""
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0)
+
+    async def go() -> None:
+        store = ElectingStore(refused=2)
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", instance="gw-1~0001")
+        r = request()
+        index_key = keys.in_flight("gw-1~0001", "tenant-a", "idem-1")
+        tried = store.create
+
+        async def create(
+            key: str, value: bytes, lease: Lease | None = None, *, also: Also = ()
+        ) -> bytes | None:
+            if store.tries == 1:
+                _failed_before_content(r)  # the request ends while its claim waits for etcd
+            return await tried(key, value, lease, also=also)
+
+        store.create = create  # type: ignore[method-assign]
+        await j.claim(r)
+        assert store.tries == 3 and index_key in store.data
+        await j.finish(r)
+        assert index_key not in store.data and stored(store, "tenant-a", "idem-1")["phase"] == "failed"
+
+    run(go)
+
+
+def test_a_claim_cancelled_while_it_waits_for_etcd_writes_nothing_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0.05)
+
+    async def go() -> None:
+        store = ElectingStore(refused=10**9)
+        j = journal(store)
+        r = request()
+        claim = asyncio.create_task(j.claim(r))
+        while store.tries < 2:
+            await asyncio.sleep(0.01)
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        store.refused = 0
+        await j.write_ahead(r)  # waits for the claim, finds the run lost: writes nothing
+        assert keys.request("tenant-a", "idem-1") not in store.data
+
+    run(go)
+
+
+def test_one_retention_lease_for_claims_that_ask_at_once() -> None:
+    async def go() -> None:
+        store = SlowStore()
+        j = journal(store)
+        grants = 0
+        grant = store.grant_lease
+
+        async def counting_grant(ttl_seconds: int) -> Lease:
+            nonlocal grants
+            grants += 1
+            await asyncio.sleep(0)
+            return await grant(ttl_seconds)
+
+        store.grant_lease = counting_grant  # type: ignore[method-assign]
+        await asyncio.gather(*(j.claim(request(request_id=f"id-{n}")) for n in range(20)))
+        assert grants == 1
+
+    run(go)
+
+
 def test_a_claim_on_one_etcd_fails_at_once() -> None:
     async def go() -> None:
         store = ElectingStore(refused=1)
