@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import yaml
 
+from router_sidecar.coordination.store import EtcdStore
 from router_sidecar.core.policy import load_policy
 from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render
 from router_sidecar.runtime.supervise import (
@@ -504,6 +505,47 @@ def summarize(setup: Setup, chunks_per_stream: int) -> dict[str, Any]:
     return out
 
 
+# The roadmap's targets (issue "Per-chunk cost"): what `targets` checks each run against.
+TARGET_CHUNKS_PER_CPU_S_ONE = 10_000
+TARGET_CHUNKS_PER_CPU_S_TEN = 20_000
+TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS = 0.2, 1.0
+TARGET_TTFD_ADDED_MS = 2.0  # plus one etcd round trip (the write-ahead)
+
+
+def targets(phases: dict[str, list[Setup]], args: argparse.Namespace) -> str:
+    """One row per target: the figure this run measured and whether it is met."""
+    rows: list[tuple[str, str, bool]] = []
+    one = {s.name: summarize(s, args.chunks) for s in phases["sequential"]}
+    p, g = one["plain"], one["gateway"]
+    if (rate := g["chunks_per_sidecar_cpu_second"]) is not None:
+        label = f"≥ {TARGET_CHUNKS_PER_CPU_S_ONE:,} chunks per sidecar CPU-s, one stream"
+        rows.append((label, f"{rate:,.0f}", rate >= TARGET_CHUNKS_PER_CPU_S_ONE))
+    if "concurrent" in phases:
+        ten = {s.name: summarize(s, args.chunks) for s in phases["concurrent"]}
+        if (rate := ten["gateway"]["chunks_per_sidecar_cpu_second"]) is not None:
+            label = f"≥ {TARGET_CHUNKS_PER_CPU_S_TEN:,} chunks per sidecar CPU-s, {args.concurrency} streams"
+            rows.append((label, f"{rate:,.0f}", rate >= TARGET_CHUNKS_PER_CPU_S_TEN))
+    for q, bound in (("p50", TARGET_ADDED_P50_MS), ("p99", TARGET_ADDED_P99_MS)):
+        plain, gateway = p["latency_ns"][q], g["latency_ns"][q]
+        if plain is not None and gateway is not None:
+            added = (gateway - plain) / 1e6
+            label = f"per-chunk added {q} ≤ +{bound:g} ms, one stream"
+            rows.append((label, f"+{added:.3f} ms", added <= bound))
+    plain, gateway = p["ttfd_ns"]["p50"], g["ttfd_ns"]["p50"]
+    rtt = getattr(args, "etcd_write_ns", 0) / 1e6
+    if plain is not None and gateway is not None:
+        added = (gateway - plain) / 1e6
+        bound = TARGET_TTFD_ADDED_MS + rtt
+        label = f"time to first delta added ≤ 2 ms + one etcd write ({rtt:.2f} ms here)"
+        rows.append((label, f"+{added:.1f} ms", added <= bound))
+    width = max(len(label) for label, _, _ in rows)
+    lines = ["targets (this run, quiet machine assumed):"]
+    lines += [f"  {label:<{width}}  {value:>12}  {'met' if ok else 'NOT met'}" for label, value, ok in rows]
+    if not args.curve:
+        lines.append("  scale curve (1, 10, 50, 100 streams): add --curve 1,10,50,100")
+    return "\n".join(lines)
+
+
 _LABEL, _COL = 30, 12
 
 
@@ -722,6 +764,7 @@ def _run(
 
     etcd, etcd_endpoint = start_etcd(work / "etcd", log_path=work / "etcd.log")
     stack.callback(etcd.stop)
+    args.etcd_write_ns = _run_async(etcd_write_p50_ns(etcd_endpoint))
 
     plain_port = free_port(HOST)
     spec = GatewaySpec(
@@ -773,6 +816,20 @@ def _run(
     phases = _run_async(run_load(setups, args))
     others = machine_busy_seconds() - busy_before - (sum(map(cpu_seconds, ours)) - ours_before)
     return phases, sidecar_idle, max(others, 0.0) / (time.monotonic() - t0)
+
+
+async def etcd_write_p50_ns(endpoint: str, writes: int = 50) -> int:
+    """One etcd round trip as the write-ahead pays it: a write etcd has made durable (fsync), p50."""
+    store = EtcdStore(endpoint)
+    try:
+        taken: list[int] = []
+        for n in range(writes):
+            started = time.monotonic_ns()
+            await store.put(f"/bench/rtt/{n}", b"x" * 1400)
+            taken.append(time.monotonic_ns() - started)
+        return int(percentile(taken, 50) or 0)
+    finally:
+        await store.close()
 
 
 def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -830,6 +887,8 @@ def _report(
     if curve:
         print()
         print(curve_table(curve, args.curve_chunks, args.interval_ms))
+    print()
+    print(targets(phases, args))
     if args.json:
         args.json.write_text(json.dumps(raw))
         print(f"\nraw numbers: {args.json}")
