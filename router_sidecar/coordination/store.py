@@ -354,6 +354,7 @@ class RetentionLeases:
         # One grant for everyone asking at once (a bucket's start, or etcd back after an outage): each lease
         # lives a whole retention period.
         async with self._granting:
+            bucket = time.time() // self._bucket_seconds  # again: a bucket may have begun while it waited
             if self._lease is None or bucket != self._bucket:
                 ttl = max(1, math.ceil(self._retention + self._bucket_seconds))
                 self._lease = await self._store.grant_lease(ttl)
