@@ -2,7 +2,8 @@
 
 Three layers, h11-style:
 * an exhaustive table: every `AttemptState` × every input type, with the next state and the exact decisions,
-  written from the docstrings and DESIGN.md (not from `TRANSITIONS`); pairs the machine must refuse raise;
+  written from the docstrings and docs/design.md (not from `TRANSITIONS`); pairs the machine must
+  refuse raise;
 * stories: lists of steps, each an input and the exact decisions it must produce;
 * the real vLLM transcripts in seeded random chunkings.
 """
