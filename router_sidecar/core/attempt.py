@@ -21,7 +21,7 @@ Three small machines, each a table of data (docs/design.md#the-attempt-machine d
     FAILED ──verdict──▶ DECIDED      (the verdict is written once the held headers are there to answer)
 
 Headers are held until the first content delta, because while they are held a failure is invisible to the
-client and Envoy can still retry (docs/design.md#the-two-placements). A failed attempt's fate — retry
+client and Envoy can still retry (docs/design.md#the-two-filter-placements). A failed attempt's fate — retry
 elsewhere or one error for the client — is the logical request's verdict, answered in reply to the held
 headers (deferred until they arrive when the failure came first). Before another attempt may start, this one
 must be fenced: its lease settled on a closed connection, or revoked and proven by a cancel ack or its expiry.
@@ -280,14 +280,14 @@ class Kind(enum.Enum):
     BODY_FAILED = "error, abort, malformed, too large, no [DONE]"
     CHUNK = "chunk"  # a body chunk in a state that no longer reads: held (never released) or ignored
     RESET = "reset"
-    RESET_UNCERTAIN = "reset, liveness uncertain"
+    RESET_UNCERTAIN = "reset (uncertain)"
     LIVENESS_LOST = "liveness lost"
     FENCE_PROVEN = "fence proven"
     FENCE_UNPROVABLE = "fence unprovable"
     WRITE_AHEAD_DONE = "durable"
-    WRITE_AHEAD_DONE_LEASE_LOST = "durable, lease lost"
+    WRITE_AHEAD_DONE_LEASE_LOST = "durable (lease not honoured)"
     SUPERSEDED = "superseded"
-    SUPERSEDED_UNCERTAIN = "superseded, liveness uncertain"
+    SUPERSEDED_UNCERTAIN = "superseded (uncertain)"
     VERDICT = "verdict"
 
 

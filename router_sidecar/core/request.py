@@ -90,7 +90,8 @@ class ClaimOutcome(enum.Enum):
 class ClientStream(enum.Enum):
     """The client-facing stream, as this machine has answered it."""
 
-    ADMITTING = "admitting"  # the request body waits for our reply (the claim, when it comes first)
+    RECEIVED = "received"  # the request body arrived; admission is under way
+    ADMITTING = "admitting"  # the request body waits for our reply: the claim, which comes first
     FORWARDED = "forwarded"  # sent on to the attempts; no response has reached the client filter yet
     HEADERS_WAITING = "headers_waiting"  # response headers reached it and wait for the claim
     PASSED = "passed"  # the released attempt's response goes to the client
@@ -510,7 +511,7 @@ class LogicalRequest:
         self.phase = Phase.PREFILL
         self.outcome: Outcome | None = None
         self.claim = ClaimState.PENDING
-        self.client = ClientStream.ADMITTING
+        self.client = ClientStream.RECEIVED
         self.model_revision: str | None = None
         self.fingerprint_digest: str | None = None  # the compatibility group every attempt is pinned to
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
@@ -620,12 +621,13 @@ class LogicalRequest:
     # --- admission and the claim -----------------------------------------------------------------------
 
     def _admitted(self, e: Admitted) -> list[Decision]:
-        if self.client is not ClientStream.ADMITTING or self.claim is not ClaimState.PENDING:
+        if self.client is not ClientStream.RECEIVED:
             raise IllegalInput(f"request {self.request_id}: admitted twice")
         before = self.policy.journal.claim_before_forwarding
         # Claimed before forwarding, the claim runs inside Envoy's admission timeout: no patience then.
         decisions: list[Decision] = [StartClaim(patient=not before)]
         if before:
+            self.client = ClientStream.ADMITTING
             return decisions  # the request body's reply waits for the claim
         return [*decisions, *self._forward()]
 
@@ -706,9 +708,10 @@ class LogicalRequest:
                 w.arrivals.pop(0)
                 decisions.append(RefuseAttempt(arrival.attempt_id, self.duplicate))
                 continue
-            if self.final is not None:
+            if self.final is not None or self.phase is not Phase.PREFILL:
+                # The request ended, or content was delivered: no other attempt may ever start.
                 w.arrivals.pop(0)
-                decisions.append(RefuseAttempt(arrival.attempt_id, self.final))
+                decisions.append(RefuseAttempt(arrival.attempt_id, self.final or self._over()))
                 continue
             if previous is not None:
                 if self.claim is ClaimState.PENDING:
@@ -735,6 +738,12 @@ class LogicalRequest:
             w.granting = w.arrivals.pop(0)
             decisions.append(GrantLease(arrival.attempt_id, arrival.replica))
         return decisions
+
+    def _over(self) -> FailRequest:
+        """The refusal of an attempt that arrives after the first delta or the request's end."""
+        outcome = self.outcome or Outcome.UPSTREAM_DECODE_INTERRUPTED
+        why = "content was delivered" if self.phase is Phase.DECODE else f"the request has ended ({outcome})"
+        return FailRequest(503, outcome, f"{why}: no other attempt may start")
 
     def _lease_granted(self, e: LeaseGranted) -> list[Decision]:
         w = self._waiting
@@ -798,6 +807,8 @@ class LogicalRequest:
         return self._route(attempt, attempt.handle(a.VerdictReady(verdict)))
 
     def _fence_wait_over(self, e: FenceWaitOver) -> list[Decision]:
+        if e.attempt_id not in self._waiting.fence_waits:
+            return []  # no attempt waited for this one (any more)
         self._waiting.fence_waits.discard(e.attempt_id)
         attempt = self.attempt(e.attempt_id)
         if attempt is not None and not attempt.fenced and attempt.state is not AttemptState.PASSED_THROUGH:
@@ -849,8 +860,8 @@ class LogicalRequest:
         verdict: TriggerRetry | FailRequest
         if self.final is not None:
             verdict = self.final
-        elif self.is_terminal:
-            return []  # the request is over (its client is gone): no verdict, its lease settles
+        elif self.phase is not Phase.PREFILL:
+            return []  # content was delivered, or the client is gone: no verdict, its lease settles
         elif self.claim is ClaimState.PENDING:
             self._waiting.awaiting_claim.append((attempt, failed))
             return []
@@ -919,6 +930,8 @@ class LogicalRequest:
     def _response_started(self, e: ResponseStarted) -> list[Decision]:
         if self.client is ClientStream.ANSWERED:
             return [WithholdResponse()]  # the refusal or the deadline's error went out already
+        if self.client is not ClientStream.FORWARDED:
+            raise IllegalInput(f"request {self.request_id}: response headers while {self.client.value}")
         if self.claim is ClaimState.PENDING:
             # Nothing reaches the client before the claim is settled: these headers wait for it.
             self.client, self._headers_waiting = ClientStream.HEADERS_WAITING, e

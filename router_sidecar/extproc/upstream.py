@@ -5,7 +5,7 @@ the monitors' signals become inputs of this attempt (`ForAttempt`), and the repl
 this stream are written here. STREAMED response body with `send_body_without_waiting_for_header_response`:
 Envoy keeps sending body chunks while our reply to the response headers is pending, so the headers (and every
 chunk) are held until the machine decides. After a release the stream ends with OK and Envoy forwards the
-rest of the response without us (docs/design.md#the-two-placements).
+rest of the response without us (docs/design.md#the-two-filter-placements).
 """
 
 from __future__ import annotations

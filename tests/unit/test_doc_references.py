@@ -21,13 +21,7 @@ THIS = Path(__file__).resolve().relative_to(REPO).as_posix()
 # Files the lead developer is rewriting right now (the machines and their shells): they may still say
 # `DESIGN.md §…` until that work lands (the docs branch's report names each one's new target). Remove a file
 # once its references are replaced; the test fails when no listed file has any left and the list is not empty.
-DESIGN_REFERENCES_NOT_YET_REPLACED = (
-    "router_sidecar/core/attempt.py",
-    "router_sidecar/core/request.py",
-    "router_sidecar/extproc/upstream.py",
-    "router_sidecar/extproc/downstream.py",
-    "router_sidecar/extproc/registry.py",
-)
+DESIGN_REFERENCES_NOT_YET_REPLACED: tuple[str, ...] = ()
 
 # Pages written on another branch (the CLI work) that the README already points at. Remove each once it
 # exists; the test fails while a listed page exists.

@@ -42,6 +42,7 @@ from router_sidecar.core.request import (
     ClaimOutcome,
     ClaimSettled,
     ClaimState,
+    ClientStream,
     ContinueRequest,
     DeadlineReached,
     Decision,
@@ -193,7 +194,9 @@ def grant(request: LogicalRequest, attempt_id: str) -> list[Decision]:
 
 
 def begin(request: LogicalRequest, attempt_id: str = "att-1", replica: str = "r1") -> Attempt:
-    """An attempt admitted and forwarded (its lease granted), its request's claim settled."""
+    """An attempt admitted and forwarded (its lease granted), its request admitted and its claim settled."""
+    if request.client is ClientStream.RECEIVED:
+        request.handle(Admitted())
     if request.claim is ClaimState.PENDING:
         settle_claim(request)
     assert arrive(request, attempt_id, replica) == [GrantLease(attempt_id, replica)]
