@@ -80,7 +80,8 @@ class Live:
         """Hand `event` to the request machine and carry out its decisions, in order: replies are written
         before this returns (a stream reads its next message only then), waiting effects run on their own."""
         decisions = self.request.handle(event)
-        self.services.journal.update(self.request)
+        if self.request.outbox:  # what the record says changes with its events
+            self.services.journal.update(self.request)
         if decisions:
             # Shielded: a stream that Envoy tears down meanwhile must not leave the rest undone (another
             # stream's reply, a lease to settle).
