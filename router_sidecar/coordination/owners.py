@@ -46,9 +46,8 @@ def new_instance_id(gateway_id: str) -> str:
 async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str, closed_by: str) -> int:
     """Close every open record `owner` left; returns how many this call closed."""
     closed = 0
-    prefix = keys.in_flight(owner, "", "").rstrip("/") + "/"
-    for index_key, _ in await store.get_prefix(prefix):
-        tenant, _, request_id = index_key[len(prefix) :].partition("/")
+    for index_key, _ in await store.get_prefix(keys.in_flight_of(owner)):
+        _, tenant, request_id = keys.in_flight_parts(index_key)
         record_key = keys.request(tenant, request_id)
         raw = await store.get(record_key)
         if raw is None:  # expired with its retention: only the index is left
@@ -144,7 +143,7 @@ class Ownership:
 
     async def _watch_owners(self) -> None:
         async for key, value in self._store.watch_prefix(keys.OWNERS_PREFIX):
-            owner = key[len(keys.OWNERS_PREFIX) :]
+            owner = keys.owner_of(key)
             if value is None and owner != self.instance:
                 await self._close(owner)
 
@@ -160,8 +159,8 @@ class Ownership:
         # are not in this read), and closing also requires its owner key to be absent at that moment.
         open_by_owner: dict[str, int] = defaultdict(int)
         for key, _ in await self._store.get_prefix(keys.IN_FLIGHT_PREFIX):
-            open_by_owner[key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")[0]] += 1
-        live = {key[len(keys.OWNERS_PREFIX) :] for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
+            open_by_owner[keys.in_flight_parts(key)[0]] += 1
+        live = {keys.owner_of(key) for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
         closed = 0
         for owner in open_by_owner:
             if owner not in live and owner != self.instance:

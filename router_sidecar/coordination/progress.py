@@ -2,7 +2,7 @@
 
 A replica whose heartbeat is fine but whose bytes stop reaching the gateway (a partition between the two
 only) looks exactly like a slow one from the gateway's side. The replica-side fence reports, at a modest
-rate, how many bytes of each attempt it forwarded (`/attempts/<id>/progress`, under the attempt's lease).
+rate, how many bytes of each attempt it forwarded (`keys.progress(attempt_id)`, under the attempt's lease).
 When the replica has reported more than the gateway received for `gap_seconds` in a row, the path is
 lost while the replica may be alive: the attempt is fenced like one whose heartbeat lapsed. This is
 evidence-driven, not a latency timeout: a slow replica reports no progress that is missing here.
@@ -102,9 +102,9 @@ class ProgressMonitor:
     async def _watch(self) -> None:
         assert isinstance(self._store, EtcdStore)
         async for key, value in self._store.watch_prefix(keys.ATTEMPTS_PREFIX):
-            if value is None or not key.endswith("/progress"):
+            attempt_id = keys.attempt_of_progress(key)
+            if value is None or attempt_id is None:
                 continue
-            attempt_id = key[len(keys.ATTEMPTS_PREFIX) : -len("/progress")]
             tracked = self._tracked.get(attempt_id)
             if tracked is None:
                 continue

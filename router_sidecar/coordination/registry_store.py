@@ -1,6 +1,6 @@
 """The replica registry in etcd: one lease-backed key per replica, and the readers the gateway uses.
 
-Layout: ``/router-sidecar/replicas/<advertise HOST:PORT>`` → JSON
+Layout: ``keys.replica(<advertise HOST:PORT>)`` → JSON
 ``{address, fingerprint: {fields}, digest, engine: {name, version, root, max_model_len}, registered_at,
 agent_id}``, attached to the agent's lease. The key lives exactly as long as the agent keeps the lease
 alive, so a replica whose agent died (or was cut off from etcd) disappears after the TTL on etcd's own
@@ -23,28 +23,14 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from router_sidecar.coordination.store import PREFIX, EtcdStore, Lease, StoreUnavailable
+from router_sidecar.coordination.store import EtcdStore, Lease, StoreUnavailable, keys
 from router_sidecar.core.fingerprint import EngineInfo, Fingerprint, FingerprintError
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
 
-__all__ = [
-    "REPLICAS_PREFIX",
-    "Heartbeat",
-    "Replica",
-    "ReplicaRegistry",
-    "open_store",
-    "replica_key",
-]
+__all__ = ["Heartbeat", "Replica", "ReplicaRegistry", "open_store"]
 
 log = logging.getLogger(__name__)
-
-REPLICAS_PREFIX = f"{PREFIX}/replicas/"
-
-
-def replica_key(address: str) -> str:
-    return f"{REPLICAS_PREFIX}{address}"
-
 
 # gRPC's default reconnect back-off grows to 120 s: after an etcd outage of a few seconds a client could
 # stay "unreachable" long after etcd is back. Capped at 1 s, recovery follows etcd within ~1-2 s.
@@ -170,7 +156,7 @@ class ReplicaRegistry:
     # -- agent side
 
     async def put(self, replica: Replica, lease: Lease) -> None:
-        await self.store.put(replica_key(replica.address), replica.to_value(), lease)
+        await self.store.put(keys.replica(replica.address), replica.to_value(), lease)
 
     async def keep_alive(self, lease: Lease) -> int:
         """Refresh ``lease`` once; returns the remaining TTL in seconds, ≤ 0 when the lease is gone."""
@@ -178,7 +164,7 @@ class ReplicaRegistry:
 
     async def withdraw(self, address: str, lease: Lease | None) -> None:
         """Delete the key first (watchers see an explicit leave), then revoke the lease."""
-        await self.store._call(self._client.delete(replica_key(address).encode()))
+        await self.store._call(self._client.delete(keys.replica(address).encode()))
         if lease is not None:
             await self.store.revoke_lease(lease)
 
@@ -189,7 +175,7 @@ class ReplicaRegistry:
         return replicas
 
     async def _snapshot(self, client: Any) -> tuple[dict[str, Replica], int]:
-        result = await self.store._call(client.get_prefix(REPLICAS_PREFIX.encode()))
+        result = await self.store._call(client.get_prefix(keys.REPLICAS_PREFIX.encode()))
         replicas: dict[str, Replica] = {}
         for kv in result:
             replica = _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
@@ -224,7 +210,7 @@ class ReplicaRegistry:
                     last = dict(current)
                     yield dict(current)
                 watch = await self.store._call(
-                    client.watch_prefix(REPLICAS_PREFIX.encode(), start_revision=revision + 1)
+                    client.watch_prefix(keys.REPLICAS_PREFIX.encode(), start_revision=revision + 1)
                 )
                 events: asyncio.Queue[Any] = asyncio.Queue()
                 pump = asyncio.create_task(_pump(watch, events))
@@ -277,7 +263,7 @@ async def _pump(watch: Any, events: asyncio.Queue[Any]) -> None:
 
 def _apply(current: dict[str, Replica], event: Any) -> None:
     kv = event.kv
-    address = kv.key.decode()[len(REPLICAS_PREFIX) :]
+    address = keys.replica_address(kv.key.decode())
     replica = None if event.kind == "DELETE" else _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
     if replica is None:
         current.pop(address, None)

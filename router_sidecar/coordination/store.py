@@ -2,7 +2,7 @@
 
 Journal, idempotency and (later) fencing logic are written against `Store`, never against raw client
 calls, so they can be exercised against `MemoryStore` in unit tests and against real etcd end to end.
-Keys are laid out under one prefix per concern (see `keys`).
+Every key is built in `keys`, one prefix per concern.
 """
 
 from __future__ import annotations
@@ -18,42 +18,85 @@ from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
-PREFIX = "/router-sidecar"
+_PROGRESS_SUFFIX = "/progress"
 
 
 class keys:
+    """Every etcd key of the project is built (and taken apart) here, one prefix per concern.
+
+    The layout is shared with the gateways and replica agents of earlier releases on the same etcd, so it
+    never changes in place (tests/unit/test_store_keys.py holds it byte for byte)."""
+
+    ROOT = "/router-sidecar/"
+    REQUESTS_PREFIX = ROOT + "requests/"
+    TOOLS_PREFIX = ROOT + "tools/"
+    ATTEMPTS_PREFIX = ROOT + "attempts/"
+    OWNERS_PREFIX = ROOT + "owners/"
+    IN_FLIGHT_PREFIX = ROOT + "inflight/"
+    REPLICAS_PREFIX = ROOT + "replicas/"
+    # The per-deployment secret that keys credential digests (`coordination/tenancy.py`).
+    TENANT_SECRET = ROOT + "config/tenant_secret"
+
     @staticmethod
     def request(tenant: str, request_id: str) -> str:
-        return f"{PREFIX}/requests/{tenant}/{request_id}"
+        """A logical request's journal record."""
+        return f"{keys.REQUESTS_PREFIX}{tenant}/{request_id}"
 
     @staticmethod
     def tool_call(tenant: str, idempotency_key: str) -> str:
-        return f"{PREFIX}/tools/{tenant}/{idempotency_key}"
+        return f"{keys.TOOLS_PREFIX}{tenant}/{idempotency_key}"
 
     @staticmethod
     def cancel_ack(attempt_id: str) -> str:
-        return f"{PREFIX}/attempts/{attempt_id}/cancel_ack"
+        return f"{keys.ATTEMPTS_PREFIX}{attempt_id}/cancel_ack"
 
     @staticmethod
     def progress(attempt_id: str) -> str:
         """What the replica side forwarded for an attempt (written at a modest rate under its lease)."""
-        return f"{PREFIX}/attempts/{attempt_id}/progress"
+        return f"{keys.ATTEMPTS_PREFIX}{attempt_id}{_PROGRESS_SUFFIX}"
 
-    ATTEMPTS_PREFIX = f"{PREFIX}/attempts/"
+    @staticmethod
+    def attempt_of_progress(key: str) -> str | None:
+        """The attempt id of a `progress` key; None for any other key."""
+        if key.startswith(keys.ATTEMPTS_PREFIX) and key.endswith(_PROGRESS_SUFFIX):
+            return key[len(keys.ATTEMPTS_PREFIX) : -len(_PROGRESS_SUFFIX)] or None
+        return None
 
     @staticmethod
     def owner(instance: str) -> str:
         """A gateway instance's owner key, under its owner lease: present while the instance is alive."""
-        return f"{PREFIX}/owners/{instance}"
+        return f"{keys.OWNERS_PREFIX}{instance}"
 
-    OWNERS_PREFIX = f"{PREFIX}/owners/"
+    @staticmethod
+    def owner_of(key: str) -> str:
+        """The instance an `owner` key names."""
+        return key[len(keys.OWNERS_PREFIX) :]
 
     @staticmethod
     def in_flight(instance: str, tenant: str, request_id: str) -> str:
         """Index of a request record an instance owns until its journal says the request ended."""
-        return f"{PREFIX}/inflight/{instance}/{tenant}/{request_id}"
+        return f"{keys.in_flight_of(instance)}{tenant}/{request_id}"
 
-    IN_FLIGHT_PREFIX = f"{PREFIX}/inflight/"
+    @staticmethod
+    def in_flight_of(instance: str) -> str:
+        """The prefix of one instance's in-flight index entries."""
+        return f"{keys.IN_FLIGHT_PREFIX}{instance}/"
+
+    @staticmethod
+    def in_flight_parts(key: str) -> tuple[str, str, str]:
+        """(instance, tenant, request id) of an `in_flight` key (instance names hold no '/')."""
+        instance, _, rest = key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")
+        tenant, _, request_id = rest.partition("/")
+        return instance, tenant, request_id
+
+    @staticmethod
+    def replica(address: str) -> str:
+        """A replica's registration (advertised HOST:PORT), under its agent's lease."""
+        return f"{keys.REPLICAS_PREFIX}{address}"
+
+    @staticmethod
+    def replica_address(key: str) -> str:
+        return key[len(keys.REPLICAS_PREFIX) :]
 
 
 class StoreUnavailable(Exception):
