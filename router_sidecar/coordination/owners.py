@@ -22,9 +22,9 @@ from collections import defaultdict
 
 from router_sidecar.coordination.store import (
     Delete,
-    EtcdStore,
     Lease,
     RetentionLeases,
+    Snapshot,
     Store,
     StoreUnavailable,
     keys,
@@ -91,9 +91,7 @@ async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str,
 class Ownership:
     """This instance's owner lease, and the watch that closes the records of lost instances."""
 
-    def __init__(
-        self, store: EtcdStore, *, instance: str, ttl_seconds: int, retention_seconds: float
-    ) -> None:
+    def __init__(self, store: Store, *, instance: str, ttl_seconds: int, retention_seconds: float) -> None:
         self._store = store
         self.instance = instance
         self._ttl = ttl_seconds
@@ -142,9 +140,22 @@ class Ownership:
                 log.warning("owner lease of %s not refreshed: %s", self.instance, exc)
 
     async def _watch_owners(self) -> None:
-        async for key, value in self._store.watch_prefix(keys.OWNERS_PREFIX):
-            owner = keys.owner_of(key)
-            if value is None and owner != self.instance:
+        live: set[str] = set()  # the owner keys as last seen
+        first = True
+        async for item in self._store.watch_prefix(keys.OWNERS_PREFIX):
+            lost: set[str] = set()
+            if isinstance(item, Snapshot):
+                now = {keys.owner_of(entry.key) for entry in item.entries}
+                # The first snapshot is the start (the sweep looks after what was lost before); a later one
+                # stands for changes the watch could not give: an owner missing from it was lost meanwhile.
+                lost = set() if first else live - now
+                live, first = now, False
+            elif item.value is None:
+                lost = {keys.owner_of(item.key)}
+                live -= lost
+            else:
+                live.add(keys.owner_of(item.key))
+            for owner in sorted(lost - {self.instance}):
                 await self._close(owner)
 
     async def _sweep_periodically(self) -> None:
