@@ -36,7 +36,8 @@ if str(REPO) not in sys.path:
 from bench.soak import EtcdCounter  # noqa: E402
 from router_sidecar.coordination.journal import Journal  # noqa: E402
 from router_sidecar.coordination.owners import new_instance_id  # noqa: E402
-from router_sidecar.coordination.store import PREFIX, EtcdStore  # noqa: E402
+from router_sidecar.coordination.store import EtcdStore  # noqa: E402
+from router_sidecar.coordination.store import keys as etcd_keys  # noqa: E402
 from router_sidecar.core.request import ResponseChunk  # noqa: E402
 from router_sidecar.core.sse import DONE_EVENT  # noqa: E402
 from router_sidecar.runtime.supervise import start_etcd  # noqa: E402
@@ -139,13 +140,13 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _revision(counter: EtcdCounter) -> int:
-    found = await counter.count(f"{PREFIX}/")
+    found = await counter.count(etcd_keys.ROOT)
     assert found is not None, "etcd did not answer"
     return int(found[1])
 
 
 async def _sample(counter: EtcdCounter, began: float, done: int) -> None:
-    found = await counter.count(f"{PREFIX}/")
+    found = await counter.count(etcd_keys.ROOT)
     _, db, in_use = await counter.leases_and_db()
     keys, revision = found if found is not None else (None, "?")
     elapsed = time.monotonic() - began
@@ -155,7 +156,7 @@ async def _sample(counter: EtcdCounter, began: float, done: int) -> None:
 async def _record_sizes(endpoint: str, sample: int = 2000) -> list[int]:
     """Sizes of up to `sample` live request records (etcd's JSON gateway: a whole range of thousands of
     records is over gRPC's default message limit)."""
-    prefix = f"{PREFIX}/requests/"
+    prefix = etcd_keys.REQUESTS_PREFIX
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
     body = {"key": _b64(prefix), "range_end": _b64(end), "limit": sample}
     async with httpx.AsyncClient(timeout=10) as client:

@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `tests` is not installed: the soak reuses the test harness from the repo
 
-from router_sidecar.coordination.store import PREFIX  # noqa: E402
+from router_sidecar.coordination.store import keys as etcd_keys  # noqa: E402
 from router_sidecar.core.policy import load_policy  # noqa: E402
 from tests.fault.fuzz import (  # noqa: E402
     CLIENT_TIMEOUT,
@@ -90,7 +90,11 @@ HEALTH_SETTLE = 2.0
 CHECK_BATCH = 64  # finished requests whose evidence is gathered together
 CHECK_CONCURRENCY = 4  # evidence batches in flight at once
 SHOWN_VIOLATIONS = 5  # violations printed with their evidence (all of them go to violations.jsonl)
-ETCD_PREFIXES = ("requests", "attempts", "tools")
+ETCD_PREFIXES = {
+    "requests": etcd_keys.REQUESTS_PREFIX,
+    "attempts": etcd_keys.ATTEMPTS_PREFIX,
+    "tools": etcd_keys.TOOLS_PREFIX,
+}
 FLAT_TOLERANCE = 0.15  # "flat": the last third's max within 15 % of the first third's max
 DRAIN_TIMEOUT = CLIENT_TIMEOUT * 2 + 60  # in-flight streams end, then their evidence is checked
 
@@ -527,12 +531,12 @@ class EtcdCounter:
 
     async def keys(self) -> dict[str, int] | None:
         """Keys under /router-sidecar/ and under each of ETCD_PREFIXES, all counted at one revision."""
-        total = await self.count(f"{PREFIX}/")
+        total = await self.count(etcd_keys.ROOT)
         if total is None:
             return None
         out = {"total": total[0]}
-        for part in ETCD_PREFIXES:
-            found = await self.count(f"{PREFIX}/{part}/", total[1] or None)
+        for part, prefix in ETCD_PREFIXES.items():
+            found = await self.count(prefix, total[1] or None)
             if found is None:
                 return None
             out[part] = found[0]

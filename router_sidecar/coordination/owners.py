@@ -22,9 +22,9 @@ from collections import defaultdict
 
 from router_sidecar.coordination.store import (
     Delete,
-    EtcdStore,
     Lease,
     RetentionLeases,
+    Snapshot,
     Store,
     StoreUnavailable,
     keys,
@@ -46,9 +46,8 @@ def new_instance_id(gateway_id: str) -> str:
 async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str, closed_by: str) -> int:
     """Close every open record `owner` left; returns how many this call closed."""
     closed = 0
-    prefix = keys.in_flight(owner, "", "").rstrip("/") + "/"
-    for index_key, _ in await store.get_prefix(prefix):
-        tenant, _, request_id = index_key[len(prefix) :].partition("/")
+    for index_key, _ in await store.get_prefix(keys.in_flight_of(owner)):
+        _, tenant, request_id = keys.in_flight_parts(index_key)
         record_key = keys.request(tenant, request_id)
         raw = await store.get(record_key)
         if raw is None:  # expired with its retention: only the index is left
@@ -92,9 +91,7 @@ async def close_lost_owner(store: Store, retention: RetentionLeases, owner: str,
 class Ownership:
     """This instance's owner lease, and the watch that closes the records of lost instances."""
 
-    def __init__(
-        self, store: EtcdStore, *, instance: str, ttl_seconds: int, retention_seconds: float
-    ) -> None:
+    def __init__(self, store: Store, *, instance: str, ttl_seconds: int, retention_seconds: float) -> None:
         self._store = store
         self.instance = instance
         self._ttl = ttl_seconds
@@ -143,9 +140,22 @@ class Ownership:
                 log.warning("owner lease of %s not refreshed: %s", self.instance, exc)
 
     async def _watch_owners(self) -> None:
-        async for key, value in self._store.watch_prefix(keys.OWNERS_PREFIX):
-            owner = key[len(keys.OWNERS_PREFIX) :]
-            if value is None and owner != self.instance:
+        live: set[str] = set()  # the owner keys as last seen
+        first = True
+        async for item in self._store.watch_prefix(keys.OWNERS_PREFIX):
+            lost: set[str] = set()
+            if isinstance(item, Snapshot):
+                now = {keys.owner_of(entry.key) for entry in item.entries}
+                # The first snapshot is the start (the sweep looks after what was lost before); a later one
+                # stands for changes the watch could not give: an owner missing from it was lost meanwhile.
+                lost = set() if first else live - now
+                live, first = now, False
+            elif item.value is None:
+                lost = {keys.owner_of(item.key)}
+                live -= lost
+            else:
+                live.add(keys.owner_of(item.key))
+            for owner in sorted(lost - {self.instance}):
                 await self._close(owner)
 
     async def _sweep_periodically(self) -> None:
@@ -160,8 +170,8 @@ class Ownership:
         # are not in this read), and closing also requires its owner key to be absent at that moment.
         open_by_owner: dict[str, int] = defaultdict(int)
         for key, _ in await self._store.get_prefix(keys.IN_FLIGHT_PREFIX):
-            open_by_owner[key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")[0]] += 1
-        live = {key[len(keys.OWNERS_PREFIX) :] for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
+            open_by_owner[keys.in_flight_parts(key)[0]] += 1
+        live = {keys.owner_of(key) for key, _ in await self._store.get_prefix(keys.OWNERS_PREFIX)}
         closed = 0
         for owner in open_by_owner:
             if owner not in live and owner != self.instance:

@@ -2,7 +2,7 @@
 
 A replica whose heartbeat is fine but whose bytes stop reaching the gateway (a partition between the two
 only) looks exactly like a slow one from the gateway's side. The replica-side fence reports, at a modest
-rate, how many bytes of each attempt it forwarded (`/attempts/<id>/progress`, under the attempt's lease).
+rate, how many bytes of each attempt it forwarded (`keys.progress(attempt_id)`, under the attempt's lease).
 When the replica has reported more than the gateway received for `gap_seconds` in a row, the path is
 lost while the replica may be alive: the attempt is fenced like one whose heartbeat lapsed. This is
 evidence-driven, not a latency timeout: a slow replica reports no progress that is missing here.
@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router_sidecar.coordination.store import EtcdStore, Store, keys
+from router_sidecar.coordination.store import Entry, Snapshot, Store, keys
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
 
@@ -46,9 +46,8 @@ class ProgressMonitor:
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        if isinstance(self._store, EtcdStore):  # progress reports arrive through an etcd watch
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._watch()), loop.create_task(self._check_loop())]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch()), loop.create_task(self._check_loop())]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -100,17 +99,23 @@ class ProgressMonitor:
                 asyncio.get_running_loop().create_task(tracked.on_lost())
 
     async def _watch(self) -> None:
-        assert isinstance(self._store, EtcdStore)
-        async for key, value in self._store.watch_prefix(keys.ATTEMPTS_PREFIX):
-            if value is None or not key.endswith("/progress"):
-                continue
-            attempt_id = key[len(keys.ATTEMPTS_PREFIX) : -len("/progress")]
-            tracked = self._tracked.get(attempt_id)
-            if tracked is None:
-                continue
-            try:
-                reported = codec.loads(rec.AttemptProgress, value).bytes
-            except codec.RecordError as exc:
-                log.warning("attempt %s: unreadable progress report ignored: %s", attempt_id, exc)
-                continue
-            tracked.reported = max(tracked.reported, reported)
+        async for item in self._store.watch_prefix(keys.ATTEMPTS_PREFIX):
+            if isinstance(item, Snapshot):
+                for entry in item.entries:
+                    self._reported(entry)
+            else:
+                entry = item.entry()
+                if entry is not None:
+                    self._reported(entry)
+
+    def _reported(self, entry: Entry) -> None:
+        attempt_id = keys.attempt_of_progress(entry.key)
+        tracked = None if attempt_id is None else self._tracked.get(attempt_id)
+        if tracked is None:
+            return
+        try:
+            reported = codec.loads(rec.AttemptProgress, entry.value).bytes
+        except codec.RecordError as exc:
+            log.warning("attempt %s: unreadable progress report ignored: %s", attempt_id, exc)
+            return
+        tracked.reported = max(tracked.reported, reported)

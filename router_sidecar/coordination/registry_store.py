@@ -1,14 +1,13 @@
 """The replica registry in etcd: one lease-backed key per replica, and the readers the gateway uses.
 
-Layout: ``/router-sidecar/replicas/<advertise HOST:PORT>`` → JSON
+Layout: ``keys.replica(<advertise HOST:PORT>)`` → the `ReplicaRegistration` record (JSON)
 ``{address, fingerprint: {fields}, digest, engine: {name, version, root, max_model_len}, registered_at,
 agent_id}``, attached to the agent's lease. The key lives exactly as long as the agent keeps the lease
 alive, so a replica whose agent died (or was cut off from etcd) disappears after the TTL on etcd's own
 clock; a clean withdrawal deletes the key and revokes the lease at once.
 
-`EtcdStore` has no prefix read, watch, delete or lease keep-alive yet; the raw aetcd calls needed for
-them are confined to `ReplicaRegistry.keep_alive`, `withdraw`, `_snapshot` and `watch_replicas`, so they
-can move into `store.py` unchanged.
+Written against `Store` alone: the watch (reconnect, resumption, snapshots after a lost history) is the
+store's.
 """
 
 from __future__ import annotations
@@ -19,51 +18,25 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from google.protobuf import struct_pb2
 
-from router_sidecar.coordination.store import PREFIX, EtcdStore, Lease, StoreUnavailable
+from router_sidecar.coordination.store import (
+    WATCH_RETRY_FIRST_SECONDS,
+    Entry,
+    Lease,
+    Snapshot,
+    Store,
+    StoreUnavailable,
+    keys,
+)
 from router_sidecar.core.fingerprint import EngineInfo, Fingerprint, FingerprintError
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
 
-__all__ = [
-    "REPLICAS_PREFIX",
-    "Heartbeat",
-    "Replica",
-    "ReplicaRegistry",
-    "open_store",
-    "replica_key",
-]
+__all__ = ["Heartbeat", "Replica", "ReplicaRegistry"]
 
 log = logging.getLogger(__name__)
-
-REPLICAS_PREFIX = f"{PREFIX}/replicas/"
-
-
-def replica_key(address: str) -> str:
-    return f"{REPLICAS_PREFIX}{address}"
-
-
-# gRPC's default reconnect back-off grows to 120 s: after an etcd outage of a few seconds a client could
-# stay "unreachable" long after etcd is back. Capped at 1 s, recovery follows etcd within ~1-2 s.
-CHANNEL_OPTIONS: dict[str, Any] = {
-    "grpc.initial_reconnect_backoff_ms": 250,
-    "grpc.min_reconnect_backoff_ms": 250,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
-
-
-def open_store(endpoint: str, *, timeout: float = 2.0) -> EtcdStore:
-    """An `EtcdStore` whose channel reconnects promptly (see CHANNEL_OPTIONS).
-
-    `EtcdStore` does not take channel options yet; aetcd reads them at its first (lazy) connect, so
-    setting them before any call is enough. This belongs in `EtcdStore.__init__`.
-    """
-    store = EtcdStore(endpoint, timeout=timeout)
-    store._client._options = dict(CHANNEL_OPTIONS)
-    return store
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,27 +123,35 @@ def _strings(values: tuple[str, ...]) -> list[struct_pb2.Value]:
     return [struct_pb2.Value(string_value=v) for v in values]
 
 
-def _parse(key: bytes, value: bytes, lease_id: int, mod_revision: int) -> Replica | None:
+def _parse(entry: Entry) -> Replica | None:
     try:
-        return Replica.from_value(value, lease_id=lease_id, mod_revision=mod_revision)
+        return Replica.from_value(entry.value, lease_id=entry.lease_id, mod_revision=entry.mod_revision)
     except (ValueError, KeyError, TypeError, FingerprintError) as exc:
         # A record we cannot read (other schema, hand-written) is never routed to: skipping is the
         # conservative choice, and the warning tells the operator why a replica is missing.
-        log.warning("ignoring unreadable replica record %s: %s", key.decode(errors="replace"), exc)
+        log.warning("ignoring unreadable replica record %s: %s", entry.key, exc)
         return None
 
 
-class ReplicaRegistry:
-    """Writer (agent side) and reader (gateway side) of the registry, on top of `EtcdStore`."""
+def _replicas(entries: tuple[Entry, ...]) -> dict[str, Replica]:
+    replicas: dict[str, Replica] = {}
+    for entry in entries:
+        replica = _parse(entry)
+        if replica is not None:
+            replicas[replica.address] = replica
+    return replicas
 
-    def __init__(self, store: EtcdStore) -> None:
+
+class ReplicaRegistry:
+    """Writer (agent side) and reader (gateway side) of the registry, on top of a `Store`."""
+
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self._client = store._client  # raw aetcd for prefix reads, watch, delete, keep-alive
 
     # -- agent side
 
     async def put(self, replica: Replica, lease: Lease) -> None:
-        await self.store.put(replica_key(replica.address), replica.to_value(), lease)
+        await self.store.put(keys.replica(replica.address), replica.to_value(), lease)
 
     async def keep_alive(self, lease: Lease) -> int:
         """Refresh ``lease`` once; returns the remaining TTL in seconds, ≤ 0 when the lease is gone."""
@@ -178,111 +159,39 @@ class ReplicaRegistry:
 
     async def withdraw(self, address: str, lease: Lease | None) -> None:
         """Delete the key first (watchers see an explicit leave), then revoke the lease."""
-        await self.store._call(self._client.delete(replica_key(address).encode()))
+        await self.store.delete(keys.replica(address))
         if lease is not None:
             await self.store.revoke_lease(lease)
 
     # -- gateway side
 
     async def list_replicas(self) -> dict[str, Replica]:
-        replicas, _ = await self._snapshot(self._client)
-        return replicas
-
-    async def _snapshot(self, client: Any) -> tuple[dict[str, Replica], int]:
-        result = await self.store._call(client.get_prefix(REPLICAS_PREFIX.encode()))
-        replicas: dict[str, Replica] = {}
-        for kv in result:
-            replica = _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
-            if replica is not None:
-                replicas[replica.address] = replica
-        return replicas, int(result.header.revision)
-
-    def _watch_client(self) -> Any:
-        return self.store.new_client(dict(CHANNEL_OPTIONS))
+        return _replicas((await self.store.read_prefix(keys.REPLICAS_PREFIX)).entries)
 
     async def watch_replicas(
-        self, *, retry_interval: float = 1.0, resync_interval: float = 10.0
+        self, *, retry_interval: float = WATCH_RETRY_FIRST_SECONDS
     ) -> AsyncIterator[dict[str, Replica]]:
         """Yield the full registry now, then again after every change (address → Replica).
 
-        Reads the registry, then watches from the revision of that read, so nothing in between is
-        lost. Each watch session has its own etcd client, closed when the session ends, so the prompt
-        reconnect policy (CHANNEL_OPTIONS) applies even to a store made without it, and a broken
-        session leaves no state behind in the shared store. If etcd goes away the iterator retries every
-        ``retry_interval``; every ``resync_interval`` without events it re-reads the registry, which
-        also catches a watch that went silent (frozen etcd, a stream that ended without an error).
-        Only snapshots that differ from the last one yielded are yielded.
+        On the store's watch: it resumes after an etcd outage without losing a change, and gives the
+        registry whole again where it cannot (`retry_interval`: its first back-off). Only registries that
+        differ from the last one yielded are yielded.
         """
+        current: dict[str, Replica] = {}
         last: dict[str, Replica] | None = None
-        loop = asyncio.get_running_loop()
-        while True:
-            client = self._watch_client()
-            pump: asyncio.Task[None] | None = None
-            try:
-                current, revision = await self._snapshot(client)
-                if last is None or not _same(current, last):
-                    last = dict(current)
-                    yield dict(current)
-                watch = await self.store._call(
-                    client.watch_prefix(REPLICAS_PREFIX.encode(), start_revision=revision + 1)
-                )
-                events: asyncio.Queue[Any] = asyncio.Queue()
-                pump = asyncio.create_task(_pump(watch, events))
-                deadline = loop.time() + resync_interval
-                while True:
-                    try:
-                        event = await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))
-                    except TimeoutError:
-                        fresh, _ = await self._snapshot(client)
-                        if not _same(fresh, current):
-                            log.warning("replica registry watch missed a change; watching again")
-                            break
-                        deadline = loop.time() + resync_interval
-                        continue
-                    if isinstance(event, BaseException):
-                        raise event
-                    if event is None:
-                        log.warning("replica registry watch ended; watching again")
-                        break
-                    _apply(current, event)
-                    if not _same(current, last):
-                        last = dict(current)
-                        yield dict(current)
-                    deadline = loop.time() + resync_interval
-            except StoreUnavailable as exc:
-                log.warning("replica registry watch: %s; retrying", exc)
-            except Exception as exc:
-                if not type(exc).__module__.startswith("aetcd"):
-                    raise
-                log.warning("replica registry watch lost: %s; retrying", exc)
-            finally:
-                if pump is not None:
-                    pump.cancel()
-                    with contextlib.suppress(BaseException):
-                        await pump
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(client.close(), 1.0)
-            await asyncio.sleep(retry_interval)
-
-
-async def _pump(watch: Any, events: asyncio.Queue[Any]) -> None:
-    """Move watch events into a queue (None at the end, or the error), so the reader can time out."""
-    try:
-        async for event in watch:
-            events.put_nowait(event)
-        events.put_nowait(None)
-    except Exception as exc:
-        events.put_nowait(exc)
-
-
-def _apply(current: dict[str, Replica], event: Any) -> None:
-    kv = event.kv
-    address = kv.key.decode()[len(REPLICAS_PREFIX) :]
-    replica = None if event.kind == "DELETE" else _parse(kv.key, kv.value, kv.lease, kv.mod_revision)
-    if replica is None:
-        current.pop(address, None)
-    else:
-        current[address] = replica
+        async for item in self.store.watch_prefix(keys.REPLICAS_PREFIX, retry_interval=retry_interval):
+            if isinstance(item, Snapshot):
+                current = _replicas(item.entries)
+            else:
+                entry = item.entry()
+                replica = None if entry is None else _parse(entry)
+                if replica is None:
+                    current.pop(keys.replica_address(item.key), None)
+                else:
+                    current[keys.replica_address(item.key)] = replica
+            if last is None or not _same(current, last):
+                last = dict(current)
+                yield dict(current)
 
 
 def _same(a: Mapping[str, Replica], b: Mapping[str, Replica]) -> bool:

@@ -14,7 +14,7 @@ the next check. Stopping means: no further byte is forwarded, the client side of
 (which resets the engine request) and the cancel ack ``keys.cancel_ack(attempt_id)`` is written, so that
 the gateway's fence completes without waiting for the lease's expiry.
 
-This module holds the pure logic (`LeaseValidity`), the etcd helpers, the cancel-ack writer and the front
+This module holds the pure logic (`LeaseValidity`), the lease checks, the cancel-ack writer and the front
 Envoy (render, validate, start). Nothing here decides about retries: that is the gateway's business.
 """
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router_sidecar.coordination.store import EtcdStore, RetentionLeases, StoreUnavailable, keys
+from router_sidecar.coordination.store import RetentionLeases, Store, StoreUnavailable, keys
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
 
@@ -103,20 +103,12 @@ def parse_lease_header(value: str | None) -> int | None:
     return lease_id if lease_id > 0 else None
 
 
-async def lease_time_to_live(store: EtcdStore, lease_id: int) -> tuple[int, int]:
-    """(remaining TTL, granted TTL) in seconds from etcd's LeaseTimeToLive; remaining ≤ 0: gone.
-
-    etcd answers TTL -1 for a lease that does not exist (revoked or expired)."""
-    reply = await store._call(store._client.get_lease_info(lease_id, keys=False))
-    return int(reply.TTL), int(reply.grantedTTL)
-
-
 class CancelAcks:
     """Writes `keys.cancel_ack(attempt_id)`; if etcd does not answer, retries in the background (≤ 60 s).
 
     Acks are kept `ACK_RETENTION_SECONDS` (bucketed retention leases), not forever."""
 
-    def __init__(self, store: EtcdStore, *, retry_seconds: float = ACK_RETRY_SECONDS) -> None:
+    def __init__(self, store: Store, *, retry_seconds: float = ACK_RETRY_SECONDS) -> None:
         self._store = store
         self._retry_seconds = retry_seconds
         self._retention = RetentionLeases(store, ACK_RETENTION_SECONDS)
@@ -162,7 +154,7 @@ class AttemptGuard:
 
     def __init__(
         self,
-        store: EtcdStore,
+        store: Store,
         attempt_id: str,
         lease_id: int,
         *,
@@ -198,7 +190,7 @@ class AttemptGuard:
         """Ask etcd once; True if it answered. Updates the validity (and stops on revocation)."""
         sent_at = self._clock()
         try:
-            coro = lease_time_to_live(self.store, self.lease_id)
+            coro = self.store.lease_time_to_live(self.lease_id)
             remaining, granted = await (asyncio.wait_for(coro, timeout) if timeout else coro)
         except (StoreUnavailable, TimeoutError) as exc:
             log.warning("attempt %s: lease %x not checked: %s", self.attempt_id, self.lease_id, exc)

@@ -12,10 +12,10 @@ import os
 import secrets
 from pathlib import Path
 
-from router_sidecar.coordination.store import PREFIX, Store
+from router_sidecar.coordination.store import Store, keys
 
 SECRET_ENV = "ROUTER_SIDECAR_TENANT_SECRET"
-SECRET_KEY = f"{PREFIX}/config/tenant_secret"
+SECRET_KEY = keys.TENANT_SECRET
 
 
 class TenantSecretError(ValueError):

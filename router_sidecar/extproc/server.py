@@ -16,7 +16,7 @@ from router_sidecar.coordination.owners import Ownership, new_instance_id
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.readiness import Readiness
 from router_sidecar.coordination.registry_store import ReplicaRegistry
-from router_sidecar.coordination.store import EtcdStore, Store
+from router_sidecar.coordination.store import Store
 from router_sidecar.coordination.tenancy import load_tenant_secret
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import Policy, RoutePolicies
@@ -95,7 +95,7 @@ class SidecarServer:
                 ttl_seconds=policy.leases.owner_ttl_seconds,
                 retention_seconds=policy.journal.retention_seconds,
             )
-            if isinstance(store, EtcdStore)
+            if store.shared
             else None
         )
         self.journal = Journal(
@@ -111,9 +111,9 @@ class SidecarServer:
         self.leases = AttemptLeases(
             store, policy.leases.attempt_ttl_seconds, pool_size=policy.leases.attempt_pool_size
         )
-        # Liveness comes from the replica registry's heartbeats (etcd); a plain Store has none.
+        # Liveness comes from the replica registry's heartbeats, written by the agents into a shared store.
         self.liveness = LivenessMonitor(
-            ReplicaRegistry(store) if isinstance(store, EtcdStore) else None,
+            ReplicaRegistry(store) if store.shared else None,
             static=static_replicas,
             probe_interval=policy.liveness.static_probe_interval_seconds,
             probe_timeout=policy.liveness.static_probe_timeout_seconds,

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
-from router_sidecar.coordination.registry_store import Heartbeat, Replica, ReplicaRegistry, open_store
-from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
+from router_sidecar.coordination.registry_store import Heartbeat, Replica, ReplicaRegistry
+from router_sidecar.coordination.store import EtcdStore, Store, StoreUnavailable
 from router_sidecar.core.fingerprint import (
     SGLANG,
     EngineInfo,
@@ -192,7 +192,7 @@ class AgentOptions:
 
 
 class ReplicaAgent:
-    def __init__(self, options: AgentOptions, declared: Fingerprint, store: EtcdStore) -> None:
+    def __init__(self, options: AgentOptions, declared: Fingerprint, store: Store) -> None:
         self.options = options
         self.declared = declared
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -344,7 +344,7 @@ async def main_async(args: argparse.Namespace) -> int:
     except (ConfigError, FingerprintError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    store = open_store(options.etcd)
+    store = EtcdStore(options.etcd)
     try:
         try:
             await store.check()

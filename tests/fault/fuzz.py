@@ -45,7 +45,7 @@ from typing import Any, Literal, TextIO
 
 import httpx
 
-from router_sidecar.coordination.registry_store import replica_key
+from router_sidecar.coordination.store import keys
 from router_sidecar.runtime.supervise import Child, free_port, start_etcd
 from router_testbed.sim.faults import parse_fault_spec
 from tests.harness import Agent, Gateway, Sim
@@ -370,7 +370,7 @@ class Environment:
 
     def registered(self, sim: Sim) -> bool:
         """The replica's agent has it in the registry (read over etcd's JSON gateway, no etcd client here)."""
-        key = base64.b64encode(replica_key(sim.endpoint).encode()).decode()
+        key = base64.b64encode(keys.replica(sim.endpoint).encode()).decode()
         try:
             response = httpx.post(f"http://{self.etcd.endpoint}/v3/kv/range", json={"key": key}, timeout=1)
             return response.status_code == 200 and bool(response.json().get("kvs"))

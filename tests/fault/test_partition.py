@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.coordination.registry_store import ReplicaRegistry, open_store
+from router_sidecar.coordination.registry_store import ReplicaRegistry
+from router_sidecar.coordination.store import EtcdStore
 from router_sidecar.runtime.supervise import Child, free_port, port_open, start_etcd, wait_until
 from tests.harness import (
     PYTHON,
@@ -192,7 +193,7 @@ def partitioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gate
 
 def registered(etcd: str, address: str) -> bool:
     async def look() -> bool:
-        store = open_store(etcd)
+        store = EtcdStore(etcd)
         try:
             return address in await ReplicaRegistry(store).list_replicas()
         finally:

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from router_sidecar.coordination.store import EtcdStore
+from router_sidecar.coordination.store import keys as etcd_keys
 from router_testbed.toolsvc import ToolSvcProcess, read_executions, spawn_toolsvc
 from tests.harness import ClientResult, EtcdCluster, Gateway, Sim, chat, poll, post, with_credential
 
@@ -229,7 +230,7 @@ def test_a_member_given_alone_is_known_as_one_of_a_cluster(deployment: Deploymen
 
 def _records_on(member: str, keys: list[str], *, final: bool) -> dict[str, dict[str, object]] | None:
     """The journal records of `keys` as one member alone holds them (None until it holds them all)."""
-    prefix = "/router-sidecar/requests/"
+    prefix = etcd_keys.REQUESTS_PREFIX
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
     reply = httpx.post(
         f"http://{member}/v3/kv/range",

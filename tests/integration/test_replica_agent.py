@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry, open_store
+from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
+from router_sidecar.coordination.store import EtcdStore
 from router_sidecar.core.fingerprint import Fingerprint, describe_difference, load_fingerprint_file, merge
 from router_sidecar.runtime.replica_agent import EngineDown, EngineProbe
 from router_sidecar.runtime.supervise import _die_with_parent, free_port, start_etcd
@@ -133,7 +134,7 @@ class Agent:
 
 def registry_call(etcd: str, call: Callable[[ReplicaRegistry], Any]) -> Any:
     async def run() -> Any:
-        store = open_store(etcd)
+        store = EtcdStore(etcd)
         try:
             return await call(ReplicaRegistry(store))
         finally:
@@ -149,8 +150,8 @@ def replicas(etcd: str) -> dict[str, Replica]:
 
 def lease_remaining(etcd: str, lease_id: int) -> int:
     async def ttl(r: ReplicaRegistry) -> int:
-        info = await r.store._client.get_lease_info(lease_id)
-        return int(info.TTL)
+        remaining, _ = await r.store.lease_time_to_live(lease_id)
+        return remaining
 
     result: int = registry_call(etcd, ttl)
     return result
@@ -311,7 +312,7 @@ def test_watch_yields_join_and_leave(etcd: str, sim: Sim, work: Path, agents: li
     address = sim.endpoint
 
     async def scenario() -> list[bool]:
-        store = open_store(etcd)
+        store = EtcdStore(etcd)
         states: list[bool] = []  # is our replica in each snapshot the watch yielded
         joined, left = asyncio.Event(), asyncio.Event()
 
@@ -459,7 +460,7 @@ def test_watch_survives_an_etcd_restart(sim: Sim, work: Path, agents: list[Agent
     address = sim.endpoint
 
     async def scenario() -> list[int]:
-        store = open_store(endpoint)
+        store = EtcdStore(endpoint)
         leases: list[int] = []  # lease id of our replica in each snapshot that has it, deduplicated
         changed = asyncio.Event()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router_sidecar.coordination.store import keys
 from router_sidecar.runtime.envoy_config import find_envoy
 from router_sidecar.runtime.supervise import Child, free_port, port_open, start_envoy, start_etcd, wait_until
 from tests.harness import CREDENTIAL, PYTHON, Sim, chat, poll, post
@@ -100,8 +101,8 @@ def test_serve_plus_rendered_envoy_serves_and_probes(own_etcd: tuple[Child, str]
         assert record["delivered_output_tokens"] == 6 and record["attempts"][0]["outcome"] == "completed"
 
         # The end was written in one transaction with the removal of the request's in-flight index entry.
-        assert _count(etcd, "/router-sidecar/inflight/") == 0
-        assert _count(etcd, "/router-sidecar/owners/") == 1  # the sidecar's owner lease
+        assert _count(etcd, keys.IN_FLIGHT_PREFIX) == 0
+        assert _count(etcd, keys.OWNERS_PREFIX) == 1  # the sidecar's owner lease
 
         etcd_child.stop()
         # Readiness is checked at most once a second (probes come on the client listener too).

@@ -99,7 +99,7 @@ def test_closing_a_lost_owner_closes_each_open_record_exactly_once() -> None:
         by_id = {
             json.loads(v)["request_id"]: json.loads(v)
             for k, v in store.data.items()
-            if k.startswith(f"{keys.request('', '').rsplit('/', 2)[0]}/")
+            if k.startswith(keys.REQUESTS_PREFIX)
         }
         assert (by_id["open-decode"]["phase"], by_id["open-decode"]["delivered_output_tokens"]) == (
             "interrupted",

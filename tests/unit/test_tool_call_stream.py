@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from router_sidecar.coordination.journal import Journal
-from router_sidecar.coordination.store import MemoryStore
+from router_sidecar.coordination.store import MemoryStore, keys
 from router_sidecar.coordination.tool_ledger import ToolLedger
 from router_sidecar.core.policy import DEFAULT_POLICY
 from router_sidecar.core.tools import call_digest
@@ -50,7 +50,7 @@ def test_large_tool_bodies_are_hashed_off_the_event_loop(
         store = MemoryStore()
         answer = await stream(store, "call-1").on_request_body(body)
         assert answer is None  # claimed: the tool is called
-        [(_, value)] = await store.get_prefix("/router-sidecar/tools/")
+        [(_, value)] = await store.get_prefix(keys.TOOLS_PREFIX)
         return value
 
     value = asyncio.run(go())

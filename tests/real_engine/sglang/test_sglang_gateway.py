@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry, open_store
+from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
+from router_sidecar.coordination.store import EtcdStore
 from router_sidecar.runtime.supervise import Child, start_etcd
 from router_testbed.real_engine import SglangReplica
 from tests.harness import Gateway, poll
@@ -163,7 +164,7 @@ class ReplicaAgent:
 
 def registered(etcd: str) -> dict[str, Replica]:
     async def read() -> dict[str, Replica]:
-        store = open_store(etcd)
+        store = EtcdStore(etcd)
         try:
             return dict(await ReplicaRegistry(store).list_replicas())
         finally:
