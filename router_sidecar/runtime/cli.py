@@ -1,4 +1,4 @@
-"""`router-sidecar`: gateway, serve, envoy-config, replica, sim, demo, trace, drill."""
+"""`router-sidecar`: gateway, serve, envoy-config, replica, trace."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from router_sidecar.runtime.envoy_config import Endpoint, EnvoyConfigInvalid, En
 from router_sidecar.telemetry.logs import LOG_FORMATS, configure_logging
 from router_sidecar.telemetry.setup import MetricsListen, TelemetryConfigError
 
+MOVED_TO_TESTBED = ("sim", "demo", "drill")
 ETCD_HELP = "etcd HOST:PORT, or every member of a cluster as IP:PORT,IP:PORT,..."
 METRICS_HELP = (
     "serve Prometheus metrics on PORT or HOST:PORT (host defaults to 127.0.0.1); OTLP export is on when "
@@ -145,35 +146,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     sub.add_parser(
-        "sim", help="run a simulated vLLM replica (see `router-sidecar sim --help`)", add_help=False
-    )
-    sub.add_parser("demo", help="etcd + two simulated replicas + the gateway, with failures", add_help=False)
-    sub.add_parser(
         "trace", help="a request's journal as a timeline (see `router-sidecar trace --help`)", add_help=False
     )
-    sub.add_parser(
-        "drill",
-        help="run the failure scenarios against a running gateway and judge them (see `drill --help`)",
-        add_help=False,
-    )
+    # The testbed's tools left the product for their own distribution (router-testbed, testbed/).
+    for name in MOVED_TO_TESTBED:
+        sub.add_parser(name, add_help=False)
 
     args, rest = parser.parse_known_args(argv)
-    if args.command == "sim":
-        from router_testbed.sim.server import main as sim_main
-
-        return sim_main(rest)
-    if args.command == "demo":
-        from router_testbed.demo import main as demo_main
-
-        return demo_main(rest)
+    if args.command in MOVED_TO_TESTBED:
+        print(
+            f"error: `{args.command}` moved to the testbed: run `router-testbed {args.command}` (installed "
+            "by `make setup`; elsewhere `pip install ./testbed`)",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "trace":
         from router_sidecar.runtime.trace_cmd import main as trace_main
 
         return trace_main(rest)
-    if args.command == "drill":
-        from router_testbed.drill import main as drill_main
-
-        return drill_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     configure_logging(args.log_level, args.log_format)

@@ -1,4 +1,4 @@
-"""`router-sidecar drill` as a user runs it (a subprocess), against a real local gateway (Envoy + sidecar +
+"""`router-testbed drill` as a user runs it (a subprocess), against a real local gateway (Envoy + sidecar +
 etcd) with simulated replicas: every scenario passes in sim mode and with shell hooks; against a server
 that breaks the contract it exits 1 naming the violated scenario; against nothing it exits 2."""
 
@@ -30,7 +30,7 @@ DRILL_TIMEOUT = 60.0
 
 def drill(*args: str, timeout: float = DRILL_TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router_sidecar", "drill", *args],
+        [sys.executable, "-m", "router_testbed", "drill", *args],
         cwd=REPO,
         env={**os.environ, "NO_COLOR": "1"},
         stdin=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""`router-sidecar drill --gateway URL`: options, the pre-flight check, the run, the reports, the exit code.
+"""`router-testbed drill --gateway URL`: options, the pre-flight check, the run, the reports, the exit code.
 
 Exit status: 0 when every scenario passed, 1 when any promise was violated, 2 on a usage error or when
 the gateway cannot be used (unreachable, or not the replicas the chosen fault mode needs).
@@ -63,7 +63,7 @@ class Options:
 def build_parser() -> argparse.ArgumentParser:
     names = ", ".join(s.name for s in SCENARIOS)
     p = argparse.ArgumentParser(
-        prog="router-sidecar drill",
+        prog="router-testbed drill",
         description="Run the failure scenarios against a running gateway and judge what the client got, "
         "the journal and (simulator) the replicas' logs. Exit 0: every promise held; 1: a violation; "
         "2: usage error or unusable gateway.",
@@ -220,7 +220,7 @@ def run(
     try:
         mode, chosen = select(options, hooks)
     except UsageError as exc:
-        err.write(f"router-sidecar drill: {exc}\n")
+        err.write(f"router-testbed drill: {exc}\n")
         return EXIT_USAGE
     client = Client(
         options.gateway,
@@ -235,7 +235,7 @@ def run(
         try:
             model = preflight(client, options, mode)
         except UsageError as exc:
-            err.write(f"router-sidecar drill: {exc}\n")
+            err.write(f"router-testbed drill: {exc}\n")
             return EXIT_USAGE
         ctx = Context(
             client,
@@ -263,7 +263,7 @@ def run(
     color = options.color if options.color is not None else out.isatty() and not os.environ.get("NO_COLOR")
     style = report.Style(color)
     info = report.RunInfo(options.gateway, mode, model, run_id, started_at, seconds)
-    out.write(f"router-sidecar drill against {options.gateway} (fault mode {mode}, model {model})\n")
+    out.write(f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model})\n")
     out.write(report.verdict_table(results, style) + "\n\n")
     line = report.summary_line(results, seconds)
     out.write((style.green(line) if all(r.passed for r in results) else style.red(line)) + "\n")
@@ -283,11 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import httpx  # noqa: F401 - the testbed extra; say so instead of a traceback
     except ImportError:
-        sys.stderr.write("router-sidecar drill needs httpx: pip install 'router-sidecar[testbed]'\n")
+        sys.stderr.write(
+            "router-testbed drill needs httpx, a dependency of router-testbed: pip install httpx\n"
+        )
         return EXIT_USAGE
     options = options_from_args(argv)
     try:
         return run(options)
     except KeyboardInterrupt:
-        sys.stderr.write("\nrouter-sidecar drill: interrupted\n")
+        sys.stderr.write("\nrouter-testbed drill: interrupted\n")
         return 130

@@ -1,4 +1,4 @@
-"""Real engines for the real-engine test tier and `router-sidecar demo --real-vllm`: vLLM and SGLang.
+"""Real engines for the real-engine test tier and `router-testbed demo --real-vllm`: vLLM and SGLang.
 
 One replica is one engine server (from its own venv, built by ``make real-setup``) in its own session/process
 group, on 127.0.0.1, with every temp file, IPC socket and cache inside its own temp dir, and thread settings

@@ -592,9 +592,9 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         )
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>router-sidecar drill: {verdict} ({passed}/{len(results)})</title>"
+        f"<title>router-testbed drill: {verdict} ({passed}/{len(results)})</title>"
         f"<style>{CSS}</style></head><body>"
-        f"<h1>router-sidecar drill: {passed}/{len(results)} scenarios passed "
+        f"<h1>router-testbed drill: {passed}/{len(results)} scenarios passed "
         f'<span class="badge {verdict}">{verdict}</span></h1>'
         f'<p class="meta">gateway {_e(info.gateway)} · fault mode {_e(info.fault_mode)} · model '
         f"{_e(info.model)} · run {_e(info.run_id)} · {when} · {info.seconds:.1f}s</p>"

@@ -675,7 +675,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="router-sidecar sim", description="vLLM 0.32 / SGLang 0.5.23 replica simulator"
+        prog="router-testbed sim", description="vLLM 0.32 / SGLang 0.5.23 replica simulator"
     )
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--name", default=None, help="replica name (default: the listen address)")
