@@ -100,7 +100,10 @@ def test_serve_runs_the_sidecar_alone_and_stops_on_sigterm(etcd: str, tmp_path: 
     )
     try:
         assert proc.stdout is not None
-        assert "ready" in proc.stdout.readline()
+        # No --replica and none registered: up, but waiting for replicas rather than claiming to be ready.
+        line = proc.stdout.readline()
+        assert line.startswith("waiting for replicas: sidecar serving ext_proc, access log and EDS on unix:")
+        assert "the readiness probe answers 503 (no_replica_available) until there is one" in line, line
         poll(socket_path.exists, timeout=5, what="the unix socket")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
