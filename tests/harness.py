@@ -285,7 +285,7 @@ class Gateway:
             argv += ["--replica", replica]
         for tool in tools:
             argv += ["--tool", tool]
-        argv += ["--config", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
+        argv += ["--policy", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
         argv += list(extra_args)
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

@@ -124,6 +124,7 @@ def test_installed_wheel_runs_the_gateway_outside_the_checkout(
     assert str(installed.parent) in where[0] and str(REPO) not in where[0]
     _run([str(installed / "python"), "-m", "pip", "check"], cwd=tmp_path)
     assert "envoy-config" in _run([cli, "--help"], cwd=tmp_path)
+    assert _run([cli, "--version"], cwd=tmp_path) == "router-sidecar 0.1.0\n"
 
     sim_port, port = free_port(), free_port()
     env = _clean_env()
@@ -179,13 +180,15 @@ def test_installed_serve_listens_on_a_unix_socket_and_stops_on_sigterm(
     log = tmp_path / "serve.out"
     serve = Child(
         "serve",
-        [str(installed / "router-sidecar"), "serve", "--bind", f"unix:{sock}", "--etcd", etcd],
+        [str(installed / "router-sidecar"), "serve", "--listen", f"unix:{sock}", "--etcd", etcd],
         log_path=log,
         cwd=tmp_path,
         env=_clean_env(),
     )
     try:
-        wait_until(lambda: "ready:" in log.read_text(), timeout=30, what="serve ready", child=serve)
+        # No --replica and none registered: up, but waiting for replicas (not ready) until one registers.
+        up = "waiting for replicas:"
+        wait_until(lambda: up in log.read_text(), timeout=30, what="serve up", child=serve)
         wait_until(sock.is_socket, timeout=10, what="the unix socket", child=serve)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(5)
@@ -201,7 +204,7 @@ def test_installed_serve_listens_on_a_unix_socket_and_stops_on_sigterm(
 def test_installed_serve_and_replica_help_name_their_options(installed: Path, tmp_path: Path) -> None:
     cli = str(installed / "router-sidecar")
     serve_help = _run([cli, "serve", "--help"], cwd=tmp_path)
-    for option in ("--bind", "--etcd", "--replica", "--config", "--metrics"):
+    for option in ("--listen", "--etcd", "--replica", "--policy", "--metrics"):
         assert option in serve_help, option
     replica_help = _run([cli, "replica", "--help"], cwd=tmp_path)
     for option in (
