@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from router_sidecar.runtime.supervise import _die_with_parent, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: testbed/router_testbed/real_engine.py
 VLLM_VENV = REPO / ".venv-vllm"
 SGLANG_VENV = REPO / ".venv-sglang"
 TINY_MODEL = REPO / ".tools" / "tiny-model"
