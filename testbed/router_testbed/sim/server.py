@@ -621,6 +621,8 @@ class Simulator:
         }
         if h.get("traceparent"):  # the W3C trace context the gateway sent for this attempt
             record["traceparent"] = h.get("traceparent")
+        if h.get("idempotency-key"):  # the client's key, if the gateway passed it on: how the drill finds a
+            record["idempotency_key"] = h.get("idempotency-key")  # request behind a gateway without a journal
         error: tuple[int, bytes] | None = None
         greq: gen.GenRequest | None = None
         clauses: list[Clause] = []
