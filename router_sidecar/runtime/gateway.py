@@ -235,24 +235,34 @@ async def run_sidecar_only(
 
 
 async def _announce_readiness(server: SidecarServer, where: str, tail: str) -> None:
-    """On stdout, at start and on every change: `ready: ...` while there is a replica to send requests to,
-    `waiting for replicas: ...` while there is none (the readiness probe answers 503 then). Supervisors and
-    tests wait for the `ready:` line; the waiting line never contains that word."""
+    """On stdout, once: `ready: ...` when there is a replica to send requests to, after `waiting for
+    replicas: ...` if at start there was none (the readiness probe answers 503 meanwhile). Supervisors and
+    tests wait for the `ready:` line; the waiting line never contains that word. Later changes go to the log:
+    a supervisor's stdout pipe that nobody reads any more must never fill up and block the gateway."""
     replicas = server.services.readiness.replicas
     was_ready: bool | None = None
+    said_ready = False
     while True:
         problem = replicas.problem() if replicas is not None else None
-        if (problem is None) != was_ready:
-            was_ready = problem is None
-            if problem is None:
-                routable = ", ".join(replicas.routable()) if replicas is not None else "no replica"
+        ready = problem is None
+        if ready != was_ready:
+            routable = ", ".join(replicas.routable()) if replicas is not None else "no replica"
+            if ready and not said_ready:
                 print(f"ready: {where}; sending to {routable}; {tail}", flush=True)
-            else:
+                said_ready = True
+            elif problem is not None and was_ready is None:
                 print(
                     f"waiting for replicas: {where}; {problem.message}; the readiness probe answers 503 "
                     f"({problem.code}) until there is one; {tail}",
                     flush=True,
                 )
+            elif problem is not None:
+                log.warning(
+                    "not ready: %s; the readiness probe answers 503 (%s)", problem.message, problem.code
+                )
+            else:
+                log.warning("ready again: sending to %s", routable)
+            was_ready = ready
         await asyncio.sleep(READINESS_POLL_SECONDS)
 
 
