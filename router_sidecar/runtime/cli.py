@@ -295,8 +295,10 @@ def _run_async(coro: object) -> int:
         return int(asyncio.run(coro))  # type: ignore[arg-type]
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def _fail(message: str, command: str | None = None) -> int:
+    """Exit 2 with one line, in argparse's form (`router-sidecar gateway: error: ...`)."""
+    one_line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"{PROG}{f' {command}' if command else ''}: error: {one_line}", file=sys.stderr)
     return 2
 
 
@@ -319,14 +321,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return trace_cmd.run(args)
     if args.command == "replica":
+        from router_sidecar.runtime.replica_agent import AgentOptions, ConfigError
         from router_sidecar.runtime.replica_agent import main_async as replica_main
 
+        try:  # the ranges (--ttl, --interval < --ttl, ...) before etcd is asked, in the parser's form
+            AgentOptions.from_args(args).validate()
+        except ConfigError as exc:
+            return _fail(str(exc), args.command)
         return _run_async(replica_main(args))
     try:
         policy = load_policy(args.policy)
         routes = load_route_policies(args.policy, policy)
     except (PolicyError, OSError) as exc:
-        return _fail(f"--policy {args.policy}: {exc}")
+        return _fail(f"--policy {args.policy}: {exc}", args.command)
     if args.command == "envoy-config":
         return _envoy_config(args, policy, routes)
     from router_sidecar.runtime.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only
@@ -348,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_sidecar_only(args.listen, args.etcd, policy, tuple(args.replica), metrics=args.metrics)
         )
     except (GatewayError, EnvoyNotFound, EnvoyConfigInvalid, ValueError) as exc:
-        return _fail(str(exc))
+        return _fail(str(exc), args.command)
     except KeyboardInterrupt:
         return 130
 

@@ -74,6 +74,18 @@ def test_invalid_policy_names_the_offending_key(etcd: str, tmp_path: Path) -> No
     )
     assert result.returncode == 2
     assert "automatic_retry" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"router-sidecar gateway: error: --policy {policy}: ")
+    assert result.stderr.count("\n") == 1  # one line, whatever the policy's own message looks like
+
+
+def test_a_policy_that_is_not_yaml_is_one_line_too(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("deadlines:\n  request_seconds: [1,\n")
+    render = ["envoy-config", "--listen", "127.0.0.1:8080", "--sidecar-socket", "s", "--admin-socket", "a"]
+    result = run_cli(*render, "--policy", str(policy))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"router-sidecar envoy-config: error: --policy {policy}: ")
+    assert "is not valid YAML" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_bad_replica_address_is_rejected_by_the_parser() -> None:
@@ -99,6 +111,7 @@ def test_version() -> None:
         assert (result.returncode, result.stdout, result.stderr) == (0, "router-sidecar 0.1.0\n", "")
 
 
+AGENT = ["replica", "--engine", "127.0.0.1:8000", "--advertise", "10.0.0.5:8000", "--etcd", "127.0.0.1:1"]
 BAD_VALUES = [
     (
         ["--log-level", "LOUD", "envoy-config"],
@@ -155,6 +168,14 @@ BAD_VALUES = [
     (
         ["serve", "--etcd", "127.0.0.1:1"],
         "router-sidecar serve: error: the following arguments are required: --listen",
+    ),
+    (
+        [*AGENT, "--ttl", "0"],
+        "router-sidecar replica: error: --ttl must be ≥ 1 second, got 0",
+    ),
+    (
+        [*AGENT, "--interval", "20"],
+        "router-sidecar replica: error: --interval must be > 0 and < --ttl (10s), got 20",
     ),
 ]
 
