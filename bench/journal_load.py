@@ -6,7 +6,7 @@ claimed, written ahead at its first delta, streams for `--stream-seconds`, and f
 share of them is retried before content or interrupted (their records keep the full trace); clean
 completions keep the summary only (`journal.trace_clean_completions: 0`, the default). No Envoy and no
 replicas: this measures etcd's side alone (the gateway's path was counted apart: 3 etcd revisions per
-request, `tests/integration` and the README).
+request, `tests/integration` and docs/journal.md#sizing).
 
 Every 10 s: etcd revision, keys under /router-sidecar/, DB size and size in use. At the end: writes per
 request, bytes written per request, the live record size, and the request rate one etcd cluster sustains

@@ -1,4 +1,4 @@
-"""DESIGN.md §8 invariants, checked for one logical request from its evidence.
+"""The invariants of docs/design.md#the-invariants, checked for one logical request from its evidence.
 
 The evidence of one request is what the client sent and got (status, headers, raw bytes, transport error,
 whether it left on purpose and after how many content events), the journal record (``GET
@@ -55,7 +55,7 @@ OutcomeKind = Literal["complete", "terminal_frame", "reset", "json_error", "disc
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken invariant of one request (`invariant` is the DESIGN.md §8 number, as text)."""
+    """One broken invariant of one request (`invariant` is its number in docs/design.md, as text)."""
 
     invariant: str
     check: str  # a short stable name of what is broken, to group violations across requests
@@ -135,7 +135,7 @@ class Delivered:
     payloads: list[Any] = field(default_factory=list)  # parsed events: JSON objects or "[DONE]"
     unparseable: list[bytes] = field(default_factory=list)  # complete events that are not JSON
     torn_tail: bool = False  # the bytes end inside an event
-    content: list[dict[str, Any]] = field(default_factory=list)  # content events (DESIGN §2 "delta")
+    content: list[dict[str, Any]] = field(default_factory=list)  # content events (docs/design.md#vocabulary)
     text: str = ""  # the delivered text, concatenated
     frames: list[dict[str, Any]] = field(default_factory=list)  # `{"error": ...}` events (their inside)
     usage_tokens: int | None = None  # usage.completion_tokens of the last event carrying usage
@@ -149,7 +149,7 @@ class Delivered:
 
     @property
     def delivered_tokens(self) -> int:
-        """What the client got, counted like DESIGN §8.3 says: usage when the stream carried it."""
+        """What the client got, counted like invariant 3 says: usage when the stream carried it."""
         if self.unary is not None:
             return _unary_completion_tokens(self.unary) or 0
         return self.usage_tokens if self.usage_tokens is not None else len(self.content)
@@ -526,8 +526,9 @@ class _Check:
         end, died = self.replica_attempt(self.serving_attempt_id())
         abrupt = died or (end is not None and end.get("outcome") in ABRUPT_REPLICA_OUTCOMES)
         # Released by the gateway (the write-ahead says so): the first delta was on its way when the replica
-        # died, and Envoy may drop what it had not yet written to the client with the reset (DESIGN §5.5), so
-        # "200, then a reset" without content is the honest outcome, journaled as an interruption.
+        # died, and Envoy may drop what it had not yet written to the client with the reset
+        # (docs/envoy-facts.md#a-reset-stays-a-reset), so "200, then a reset" without content is the honest
+        # outcome, journaled as an interruption.
         journal_count = self.journal.get("delivered_output_tokens")
         released = bool(self.journal.get("first_delta_sent"))
         if not d.content and not (abrupt and released):
@@ -553,12 +554,12 @@ class _Check:
                 f"{'no record' if end is None else end.get('outcome')}): it should have got a terminal frame",
             )
         self.expect_journal("interrupted", INTERRUPTED, "a stream cut by a reset after the first delta")
-        # Invariant 3, with a tolerance. After an abrupt upstream reset Envoy resets the client connection
-        # and what it had not written yet is lost: the tail of an event, or whole events whose ext_proc
-        # answer was still on its way (DESIGN §5.5: nothing can be added or flushed then). `delivered` is
-        # what the gateway wrote towards the client (DESIGN §2), so the journal may exceed what arrived by
-        # what was in flight at the reset, but never what the replica wrote: what the client got <=
-        # journal <= what the replica wrote (max_tokens when its log died with it).
+        # Invariant 3, with a tolerance. After an abrupt upstream reset Envoy resets the client connection and
+        # what it had not written yet is lost: the tail of an event, or whole events whose ext_proc answer was
+        # still on its way (docs/envoy-facts.md#a-reset-stays-a-reset: nothing can be added or flushed then).
+        # `delivered` is what the gateway wrote towards the client (docs/design.md#vocabulary), so the journal
+        # may exceed what arrived by what was in flight at the reset, but never what the replica wrote: what
+        # the client got <= journal <= what the replica wrote (max_tokens when its log died with it).
         written = end.get("content_events_written") if end is not None else None
         bounds = [x for x in (written, self.sent.max_tokens) if isinstance(x, int)]
         if not self.final:
@@ -619,12 +620,13 @@ class _Check:
                 "journal-attempt-after-disconnect",
                 f"the journal started attempt(s) after the client left: {late_journal}",
             )
-        # Invariant 3, with a tolerance. `delivered` is what the gateway wrote towards the client (DESIGN §2);
-        # a client that leaves has not read what was in flight: Envoy's and the kernel's socket buffers on
-        # both sides of the client connection, and the events the gateway forwarded until it learnt of the
-        # disconnect. That amount has no useful fixed bound (it depends on buffer sizes and scheduling), but
-        # it is bounded by what the replica wrote for this attempt: the gateway cannot deliver what was never
-        # generated. So: what the client got <= journal <= what the replica wrote (<= max_tokens).
+        # Invariant 3, with a tolerance. `delivered` is what the gateway wrote towards the client
+        # (docs/design.md#vocabulary); a client that leaves has not read what was in flight: Envoy's and the
+        # kernel's socket buffers on both sides of the client connection, and the events the gateway forwarded
+        # until it learnt of the disconnect. That amount has no useful fixed bound (it depends on buffer sizes
+        # and scheduling), but it is bounded by what the replica wrote for this attempt: the gateway cannot
+        # deliver what was never generated. So: what the client got <= journal <= what the replica wrote
+        # (<= max_tokens).
         journal_count = self.journal.get("delivered_output_tokens")
         written = end.get("content_events_written") if end is not None else None
         bounds = [x for x in (written, self.sent.max_tokens) if isinstance(x, int)]

@@ -1,33 +1,39 @@
 """The attempt machine: one try of a logical request on one replica, its whole life in one place.
 
 Sans-IO, in the manner of h11's `_state.py`: everything that affects an attempt's state lives in this
-file, and the file knows nothing about gRPC, etcd or clocks. The upstream servicer translates Envoy's
-messages and the monitors' signals into the inputs below, feeds them to `Attempt.handle`, and carries out
-the decisions it gets back. Transitions are data (`TRANSITIONS`): a state × input pair that is not in the
-table is a bug in the caller, and raises.
+file, and the file knows nothing about gRPC, etcd or clocks. The logical request (`request.py`) feeds it
+the inputs below and turns the decisions it gets back into its own; no shell calls it directly.
+
+Three small machines, each a table of data (docs/design.md#the-attempt-machine draws them):
+
+* `TRANSITIONS`: what the attempt is — `AttemptState × Kind → Step(next state, actions)`. A raw input is
+  first read into a `Kind` (`AttemptReader`: the status line, the held body's SSE events), the way h11's
+  readers turn bytes into events before its state table sees them.
+* `REPLY_TRANSITIONS`: what Envoy waits for on the attempt's ext_proc stream (nothing yet, our reply to the
+  held response headers, nothing any more).
+* `LEASE_TRANSITIONS`: the attempt's right to publish (held, being settled or fenced, proven gone).
 
     AWAITING_HEADERS ──2xx──▶ HOLDING ──first delta──▶ WRITING_AHEAD ──durable──▶ RELEASED
          │   │                  │  │                        │
          │   └──4xx──▶ PASSED_THROUGH                        └──reset──▶ FAILED
          │                      │  └──5xx, 429, error event, abort, too large, no [DONE], reset──▶ FAILED
          └───heartbeat lapsed, progress gap, lease lost (either state)──▶ FENCING ──proof──▶ FAILED
+    FAILED ──verdict──▶ DECIDED      (the verdict is written once the held headers are there to answer)
 
 Headers are held until the first content delta, because while they are held a failure is invisible to the
-client and Envoy can still retry (DESIGN.md §5.3). A failed attempt's fate — retry elsewhere or one error
-for the client — is the logical request's `RetryGate` verdict, answered in reply to the held headers
-(deferred until they arrive when the failure came first). Before another attempt may start, this one must
-be fenced: its lease settled on a closed connection, or revoked and proven by a cancel ack or its expiry.
+client and Envoy can still retry (docs/design.md#the-two-filter-placements). A failed attempt's fate — retry
+elsewhere or one error for the client — is the logical request's verdict, answered in reply to the held
+headers (deferred until they arrive when the failure came first). Before another attempt may start, this one
+must be fenced: its lease settled on a closed connection, or revoked and proven by a cancel ack or its expiry.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router_sidecar.core.events import Event, EventName, Outcome
-from router_sidecar.core.policy import FAIL, Policy
+from router_sidecar.core.events import Event, EventName
 from router_sidecar.core.sse import AbortScan, EventKind, SseScanner
 
 # --- states, causes ----------------------------------------------------------------------------------
@@ -40,10 +46,31 @@ class AttemptState(enum.Enum):
     WRITING_AHEAD = "writing_ahead"  # first delta found: first_delta_sent is being made durable
     RELEASED = "released"  # headers and held chunks released; the downstream owns the rest
     PASSED_THROUGH = "passed_through"  # not a replica failure (e.g. 4xx): released unchanged
-    FAILED = "failed"  # failed before release; the request's verdict is (or will be) its answer
+    FAILED = "failed"  # failed before release; the request's verdict is not known yet
+    DECIDED = "decided"  # failed, and the verdict (retry or one error) is known: answered when it can be
 
 
-LIVE_STATES = frozenset({AttemptState.AWAITING_HEADERS, AttemptState.HOLDING})
+# The journal and the client's error body say "failed" for both: the verdict is not an attempt outcome.
+FAILED_STATES = frozenset({AttemptState.FAILED, AttemptState.DECIDED})
+
+
+class Reply(enum.Enum):
+    """What Envoy waits for on the attempt's ext_proc stream."""
+
+    NOTHING_YET = "nothing_yet"  # no response headers yet: nothing to answer
+    HEADERS_HELD = "headers_held"  # Envoy waits for our reply to the response headers
+    REPLIED = "replied"  # we answered (a verdict) or released: nothing more is written on the stream
+    STREAM_GONE = "stream_gone"  # Envoy tore the stream down before we replied: nothing can be written
+
+
+class LeaseState(enum.Enum):
+    """The attempt's right to publish (its etcd lease, as the gateway knows it)."""
+
+    HELD = "held"  # honoured: what the attempt publishes may be released
+    SETTLING = "settling"  # its connection is closed (the proof): the revocation is on its way
+    FENCING = "fencing"  # revoked; waiting for the replica side's cancel ack or the lease's expiry
+    FENCED = "fenced"  # proven unable to publish: another attempt may start
+    UNPROVABLE = "unprovable"  # no lease to revoke (etcd was away at its start): nothing proves it stopped
 
 
 class FailureReason(enum.StrEnum):
@@ -65,7 +92,8 @@ class FailureReason(enum.StrEnum):
     LOST_BEFORE_RELEASE = "lost_before_release"  # reset while our release was on its way; Envoy retried
 
 
-_FENCE_CAUSES = {
+# Liveness causes (monitors, the shell's reading of a closed connection) → why the fenced attempt failed.
+FENCE_CAUSES = {
     "heartbeat_lapsed": FailureReason.REPLICA_LOST,
     "health_check_failed": FailureReason.REPLICA_LOST,  # a static replica stopped answering /health
     "progress_gap": FailureReason.PATH_LOST,
@@ -73,6 +101,9 @@ _FENCE_CAUSES = {
     # Its connection closed, but it showed a sign of running on: as uncertain as a lapsed heartbeat.
     "connection_closed_uncertain": FailureReason.REPLICA_LOST,
 }
+UNCERTAIN_FAILURES = frozenset(
+    {FailureReason.REPLICA_LOST, FailureReason.PATH_LOST, FailureReason.LEASE_LOST}
+)
 
 # --- inputs (named by cause) -------------------------------------------------------------------------
 
@@ -122,7 +153,12 @@ class FenceUnprovable:
 
 @dataclass(frozen=True, slots=True)
 class WriteAheadDone:
-    """`first_delta_sent` is durable (or etcd failed and the gateway serves anyway, logging it)."""
+    """`first_delta_sent` is durable (or etcd failed and the gateway serves anyway, logging it).
+
+    `lease_publishable`: the attempt's lease was still honoured when the write came back (read by the shell
+    from its local lease state); if not, nothing of the attempt may be released."""
+
+    lease_publishable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +185,7 @@ Input = (
     | VerdictReady
 )
 
-# --- verdicts of the retry gate ----------------------------------------------------------------------
+# --- verdicts of the logical request -----------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +205,12 @@ class FailRequest:
     retry_after: str | None = None
 
 
-# --- decisions (what the shell carries out) ----------------------------------------------------------
+# --- decisions (what the logical request carries on) -------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The attempt failed: ask the request's `RetryGate` for the verdict, then feed `VerdictReady`."""
+    """The attempt failed: the logical request gives its verdict (`VerdictReady`)."""
 
     reason: FailureReason
     fence_proven: bool = True
@@ -217,6 +253,7 @@ class Release:
 Decision = Failed | Answer | StartFence | SettleLease | WriteAhead | Release
 
 COMPLETE_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
+CONNECTION_CLOSED = "connection_closed"
 
 
 def is_event_stream(content_type: str) -> bool:
@@ -226,6 +263,283 @@ def is_event_stream(content_type: str) -> bool:
 
 class IllegalInput(RuntimeError):
     """An input that cannot happen in this state: a bug in the caller, never a replica's doing."""
+
+
+# --- what an input says: the reader ------------------------------------------------------------------
+
+
+class Kind(enum.Enum):
+    """An input as the tables see it: raw inputs are read into one of these first."""
+
+    HEADERS_OK = "2xx"  # a response the gateway reads and holds
+    HEADERS_PASS = "4xx"  # not a replica failure: passed through unchanged
+    HEADERS_FAILED = "5xx, 429, encoded"
+    BODY_HELD = "nothing yet"  # read while holding: no content, no failure
+    BODY_FIRST_DELTA = "first delta"  # the first content event (or a whole non-stream answer)
+    BODY_COMPLETE = "complete without content"  # [DONE] or a completing finish with nothing in it
+    BODY_FAILED = "error, abort, malformed, too large, no [DONE]"
+    CHUNK = "chunk"  # a body chunk in a state that no longer reads: held (never released) or ignored
+    RESET = "reset"
+    RESET_UNCERTAIN = "reset (uncertain)"
+    LIVENESS_LOST = "liveness lost"
+    FENCE_PROVEN = "fence proven"
+    FENCE_UNPROVABLE = "fence unprovable"
+    WRITE_AHEAD_DONE = "durable"
+    WRITE_AHEAD_DONE_LEASE_LOST = "durable (lease not honoured)"
+    SUPERSEDED = "superseded"
+    SUPERSEDED_UNCERTAIN = "superseded (uncertain)"
+    VERDICT = "verdict"
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What a raw input says: its `Kind`, and for a failure why."""
+
+    kind: Kind
+    reason: FailureReason | None = None
+    detail: str = ""
+
+
+_HELD = Reading(Kind.BODY_HELD)
+_FIRST_DELTA = Reading(Kind.BODY_FIRST_DELTA)
+_COMPLETE = Reading(Kind.BODY_COMPLETE)
+_CHUNK = Reading(Kind.CHUNK)
+
+
+class AttemptReader:
+    """Reads the held response: its status line once, then its body (SSE events, or one JSON answer)
+    until the first content, a failure, or a complete generation without content."""
+
+    def __init__(self, *, max_held_bytes: int, max_event_bytes: int) -> None:
+        self.held_bytes = 0
+        self.retry_after: str | None = None  # a 429's Retry-After, passed on if no other replica serves it
+        self._max_held_bytes = max_held_bytes
+        self._streaming = False
+        self._scanner = SseScanner(max_event_bytes=max_event_bytes)
+        self._abort_scan = AbortScan()  # non-stream answers only
+        self._finished = False  # a finish_reason that means "generation complete" was seen
+
+    def headers(self, e: ResponseHeaders) -> Reading:
+        if e.status == 429:
+            # Seconds or an HTTP-date (29 characters): anything longer is not a Retry-After, and it would be
+            # copied into the journal record and the client's answer.
+            retry_after = e.retry_after if e.retry_after is None or len(e.retry_after) <= 64 else None
+            self.retry_after = retry_after
+            return Reading(
+                Kind.HEADERS_FAILED,
+                FailureReason.OVERLOADED,
+                f"replica answered 429 (Retry-After {retry_after})",
+            )
+        if e.status >= 500:
+            return Reading(Kind.HEADERS_FAILED, FailureReason.UPSTREAM_STATUS, f"replica answered {e.status}")
+        if e.status >= 300:
+            return Reading(Kind.HEADERS_PASS)
+        if e.content_encoding.lower() not in ("", "identity"):
+            return Reading(
+                Kind.HEADERS_FAILED, FailureReason.CONTENT_ENCODED, f"content-encoding {e.content_encoding!r}"
+            )
+        self._streaming = is_event_stream(e.content_type)
+        return Reading(Kind.HEADERS_OK)
+
+    def body(self, e: ResponseBody) -> Reading:
+        self.held_bytes += len(e.chunk)
+        if not self._streaming:
+            # A non-stream answer is its content: released whole at its end, or, past the bound, released
+            # as it comes (Envoy must not hold a large body for us) — then a later cut is a reset.
+            self._abort_scan.feed(e.chunk)
+            if self._abort_scan.aborted:
+                return Reading(
+                    Kind.BODY_FAILED, FailureReason.ABORTED, "finish_reason abort in a non-stream answer"
+                )
+            if e.end_of_stream or self.held_bytes > self._max_held_bytes:
+                return _FIRST_DELTA
+            return _HELD
+        events = self._scanner.feed(e.chunk)
+        if e.end_of_stream:
+            events += self._scanner.close()
+        for event in events:
+            if event.kind is EventKind.ERROR:
+                return Reading(
+                    Kind.BODY_FAILED, FailureReason.ERROR_EVENT, "in-band error event before any content"
+                )
+            if event.kind is EventKind.MALFORMED:
+                # Held, so the client saw none of it: a broken replica, retried like an in-band error.
+                return Reading(
+                    Kind.BODY_FAILED, FailureReason.MALFORMED_EVENT, "an event that is not a JSON object"
+                )
+            if event.finish_reason == "abort":
+                return Reading(
+                    Kind.BODY_FAILED, FailureReason.ABORTED, "finish_reason abort before any content"
+                )
+            if event.kind is EventKind.CONTENT:
+                return _FIRST_DELTA
+            if event.finish_reason in COMPLETE_FINISH_REASONS:
+                self._finished = True
+            elif event.kind is EventKind.DONE:
+                # A complete generation without content (e.g. EOS as the first token): nothing to retry.
+                return _COMPLETE
+        if self._scanner.oversized:
+            return Reading(
+                Kind.BODY_FAILED, FailureReason.EVENT_TOO_LARGE, "an SSE event over limits.max_event_bytes"
+            )
+        if self.held_bytes > self._max_held_bytes:
+            return Reading(
+                Kind.BODY_FAILED,
+                FailureReason.RESPONSE_TOO_LARGE,
+                f"{self.held_bytes} bytes before any content (limits.max_held_response_bytes)",
+            )
+        if e.end_of_stream:
+            if self._finished:
+                return _COMPLETE
+            return Reading(
+                Kind.BODY_FAILED, FailureReason.ENDED_WITHOUT_DONE, "response ended without content or [DONE]"
+            )
+        return _HELD
+
+
+# --- the tables --------------------------------------------------------------------------------------
+
+
+class Action(enum.Enum):
+    """What a step does besides moving to its next state (carried out in this order)."""
+
+    HOLD = "hold"  # journal: headers_held
+    PASS = "pass"  # journal: response_passed_through; release everything unchanged
+    FAIL = "fail"  # record why (the row's reason, else the reading's); the request gives its verdict
+    FENCE = "fence"  # record why (the liveness cause); revoke the lease and wait for the proof
+    FENCED = "fenced"  # the fence's proof is in: fail with the reason recorded when it started
+    SETTLE = "settle"  # the closed connection fences it: revoke its lease in the background
+    WRITE_AHEAD = "write_ahead"  # make first_delta_sent durable before anything is released
+    RELEASE = "release"  # release the held headers and chunks
+    DECIDE = "decide"  # record the verdict (answered by the reply table when the headers are held)
+    PROVEN = "proven"  # the revocation of a closed connection's lease went through: it is fenced
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    next: AttemptState
+    actions: tuple[Action, ...] = ()
+    reason: FailureReason | None = None  # for FAIL: why (None: what the reading says)
+    detail: str = ""  # for FAIL with a reason of its own: what happened
+    cause: str | None = None  # for FENCE: the liveness cause (None: the input's own)
+
+
+_S, _K, _A, _R = AttemptState, Kind, Action, FailureReason
+_UNCERTAIN = "connection_closed_uncertain"
+
+
+def _stay(state: AttemptState, *kinds: Kind) -> dict[tuple[AttemptState, Kind], Step]:
+    return {(state, kind): Step(state) for kind in kinds}
+
+
+_SUPERSEDED_DETAIL = "Envoy started the next attempt: this one's connection was lost"
+
+
+def _lost_while_live(
+    state: AttemptState, reason: FailureReason, reset_detail: str
+) -> dict[tuple[AttemptState, Kind], Step]:
+    """Before release: a closed connection fails it (and fences it); an uncertain one must be fenced."""
+    return {
+        (state, _K.RESET): Step(_S.FAILED, (_A.FAIL, _A.SETTLE), reason, reset_detail),
+        (state, _K.RESET_UNCERTAIN): Step(_S.FENCING, (_A.FENCE,), cause=_UNCERTAIN),
+        (state, _K.SUPERSEDED): Step(_S.FAILED, (_A.FAIL, _A.SETTLE), reason, _SUPERSEDED_DETAIL),
+        (state, _K.SUPERSEDED_UNCERTAIN): Step(_S.FENCING, (_A.FENCE,), cause=_UNCERTAIN),
+        (state, _K.LIVENESS_LOST): Step(_S.FENCING, (_A.FENCE,)),
+    }
+
+
+_CONNECTION_LOST_DETAIL = "connection to the replica was lost"
+_HEADERS = (_K.HEADERS_OK, _K.HEADERS_PASS, _K.HEADERS_FAILED)
+_GONE = (_K.RESET, _K.RESET_UNCERTAIN, _K.SUPERSEDED, _K.SUPERSEDED_UNCERTAIN)
+
+# The whole lifecycle: state × kind → next state and actions. A pair that is not here is a bug in the
+# caller (IllegalInput). Body chunks are read (`AttemptReader`) only while HOLDING; in every other state
+# a chunk is CHUNK: held until the reply lets it go, never released after a failure.
+TRANSITIONS: dict[tuple[AttemptState, Kind], Step] = {
+    # Sent to its replica, no response headers yet.
+    (_S.AWAITING_HEADERS, _K.HEADERS_OK): Step(_S.HOLDING, (_A.HOLD,)),
+    (_S.AWAITING_HEADERS, _K.HEADERS_PASS): Step(_S.PASSED_THROUGH, (_A.PASS,)),
+    (_S.AWAITING_HEADERS, _K.HEADERS_FAILED): Step(_S.FAILED, (_A.FAIL,)),
+    **_lost_while_live(_S.AWAITING_HEADERS, _R.CONNECTION_LOST, _CONNECTION_LOST_DETAIL),
+    # 2xx headers and every chunk held.
+    (_S.HOLDING, _K.BODY_HELD): Step(_S.HOLDING),
+    (_S.HOLDING, _K.BODY_FIRST_DELTA): Step(_S.WRITING_AHEAD, (_A.WRITE_AHEAD,)),
+    (_S.HOLDING, _K.BODY_COMPLETE): Step(_S.WRITING_AHEAD, (_A.WRITE_AHEAD,)),
+    (_S.HOLDING, _K.BODY_FAILED): Step(_S.FAILED, (_A.FAIL,)),
+    **_lost_while_live(_S.HOLDING, _R.CONNECTION_LOST, _CONNECTION_LOST_DETAIL),
+    # First delta found: first_delta_sent is being made durable; later chunks are released with the rest.
+    (_S.WRITING_AHEAD, _K.CHUNK): Step(_S.WRITING_AHEAD),
+    (_S.WRITING_AHEAD, _K.WRITE_AHEAD_DONE): Step(_S.RELEASED, (_A.RELEASE,)),
+    # Its lease was not honoured any more when the write came back: never released, fenced instead.
+    (_S.WRITING_AHEAD, _K.WRITE_AHEAD_DONE_LEASE_LOST): Step(_S.FENCING, (_A.FENCE,), cause="lease_lost"),
+    **_lost_while_live(_S.WRITING_AHEAD, _R.LOST_BEFORE_RELEASE, "replica reset before the release"),
+    # Released: the downstream owns the rest of the stream (it ends the client stream, watches the replica).
+    **_stay(_S.RELEASED, _K.CHUNK, _K.RESET, _K.RESET_UNCERTAIN, _K.LIVENESS_LOST),
+    # ... unless Envoy retried after all: the release never reached its router (a reset came first).
+    (_S.RELEASED, _K.SUPERSEDED): Step(
+        _S.FAILED, (_A.FAIL, _A.SETTLE), _R.LOST_BEFORE_RELEASE, _SUPERSEDED_DETAIL
+    ),
+    (_S.RELEASED, _K.SUPERSEDED_UNCERTAIN): Step(_S.FENCING, (_A.FENCE,), cause=_UNCERTAIN),
+    # Not a replica failure (4xx): released unchanged; nothing here concerns it any more.
+    **_stay(_S.PASSED_THROUGH, _K.CHUNK, *_GONE, _K.LIVENESS_LOST),
+    # Liveness uncertain: waiting for the proof that it stopped; nothing is decided before it. Headers that
+    # come meanwhile (e.g. the replica side's own 503 once it stopped) are what the verdict will answer.
+    **_stay(_S.FENCING, *_HEADERS, _K.CHUNK, *_GONE, _K.LIVENESS_LOST),
+    **_stay(_S.FENCING, _K.WRITE_AHEAD_DONE, _K.WRITE_AHEAD_DONE_LEASE_LOST),  # too late: not released
+    (_S.FENCING, _K.FENCE_PROVEN): Step(_S.FAILED, (_A.FENCED,)),
+    (_S.FENCING, _K.FENCE_UNPROVABLE): Step(_S.FAILED, (_A.FENCED,)),
+    # Failed before release, verdict not known yet: its bytes are never released.
+    **_stay(_S.FAILED, *_HEADERS, _K.CHUNK, _K.LIVENESS_LOST),
+    (_S.FAILED, _K.FENCE_PROVEN): Step(_S.FAILED, (_A.PROVEN,)),
+    **_stay(_S.FAILED, _K.WRITE_AHEAD_DONE, _K.WRITE_AHEAD_DONE_LEASE_LOST),  # reset during the write
+    **{(_S.FAILED, kind): Step(_S.FAILED, (_A.SETTLE,)) for kind in _GONE},  # the closed connection fences it
+    (_S.FAILED, _K.VERDICT): Step(_S.DECIDED, (_A.DECIDE,)),
+    # The verdict is known: it is written once the held headers are there (REPLY_TRANSITIONS).
+    **_stay(_S.DECIDED, *_HEADERS, _K.CHUNK, _K.LIVENESS_LOST),
+    (_S.DECIDED, _K.FENCE_PROVEN): Step(_S.DECIDED, (_A.PROVEN,)),
+    **_stay(_S.DECIDED, _K.WRITE_AHEAD_DONE, _K.WRITE_AHEAD_DONE_LEASE_LOST),
+    **{(_S.DECIDED, kind): Step(_S.DECIDED, (_A.SETTLE,)) for kind in _GONE},
+}
+
+
+class ReplyEvent(enum.Enum):
+    HEADERS = "response headers"
+    STREAM_GONE = "stream gone"
+    WRITE = "we reply"  # an answer or a release
+
+
+# What Envoy waits for: the response headers make a reply owed; ours (answer, release) or the stream's
+# end settle it. A pair not here cannot happen (IllegalInput).
+REPLY_TRANSITIONS: dict[tuple[Reply, ReplyEvent], Reply] = {
+    (Reply.NOTHING_YET, ReplyEvent.HEADERS): Reply.HEADERS_HELD,
+    (Reply.NOTHING_YET, ReplyEvent.STREAM_GONE): Reply.STREAM_GONE,
+    (Reply.HEADERS_HELD, ReplyEvent.WRITE): Reply.REPLIED,
+    (Reply.HEADERS_HELD, ReplyEvent.STREAM_GONE): Reply.STREAM_GONE,
+    (Reply.REPLIED, ReplyEvent.STREAM_GONE): Reply.REPLIED,  # we had left the path already
+    (Reply.STREAM_GONE, ReplyEvent.STREAM_GONE): Reply.STREAM_GONE,
+    # Superseded while a message of the stream was still on its way: nothing can be answered any more.
+    (Reply.STREAM_GONE, ReplyEvent.HEADERS): Reply.STREAM_GONE,
+}
+
+
+class LeaseEvent(enum.Enum):
+    SETTLE = "settle"  # the connection is closed: revoke, the closed connection is the proof
+    FENCE = "fence"  # liveness uncertain: revoke and wait for a proof
+    PROVEN = "proven"
+    UNPROVABLE = "unprovable"
+
+
+# The lease: settled or fenced once (a second request to do either is moot), proven once.
+LEASE_TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], LeaseState] = {
+    (LeaseState.HELD, LeaseEvent.SETTLE): LeaseState.SETTLING,
+    (LeaseState.HELD, LeaseEvent.FENCE): LeaseState.FENCING,
+    **{(s, LeaseEvent.SETTLE): s for s in LeaseState if s is not LeaseState.HELD},
+    **{(s, LeaseEvent.FENCE): s for s in LeaseState if s is not LeaseState.HELD},
+    (LeaseState.SETTLING, LeaseEvent.PROVEN): LeaseState.FENCED,
+    (LeaseState.FENCING, LeaseEvent.PROVEN): LeaseState.FENCED,
+    (LeaseState.FENCED, LeaseEvent.PROVEN): LeaseState.FENCED,
+    (LeaseState.FENCING, LeaseEvent.UNPROVABLE): LeaseState.UNPROVABLE,
+}
 
 
 class Attempt:
@@ -245,434 +559,169 @@ class Attempt:
         self.number = number
         self.replica = replica
         self.state = AttemptState.AWAITING_HEADERS
+        self.reply = Reply.NOTHING_YET
+        self.lease_state = LeaseState.HELD
         self.failure: FailureReason | None = None
         self.detail: str | None = None
         self.status: int | None = None
-        self.retry_after: str | None = None  # a 429's Retry-After, passed on if no other replica serves it
-        self.first_delta = False  # content is among what this attempt released (or is releasing)
-        self.fenced = False  # proven unable to publish: another attempt may start
+        self.releases_content = False  # what it writes ahead for: content, or a generation without any
         self.fence: dict[str, Any] | None = None  # how it was fenced, when a fence was needed
         self.verdict: TriggerRetry | FailRequest | None = None
         self.lease: Any = None  # the shell's lease handle (journal view only; no decision reads it)
+        self.held_chunks = 0  # body chunks Envoy sent that wait for our reply
+        self.reader = AttemptReader(max_held_bytes=max_held_bytes, max_event_bytes=max_event_bytes)
         self._outbox = outbox
-        self._max_held_bytes = max_held_bytes
-        self._streaming = False
-        self._scanner = SseScanner(max_event_bytes=max_event_bytes)
-        self._abort_scan = AbortScan()  # non-stream answers only
-        self._finished = False  # a finish_reason that means "generation complete" was seen
-        self._held_bytes = 0
-        self._held_chunks = 0
-        self._headers_arrived = False
-        self._stream_open = True  # Envoy still waits for our answer on this attempt's stream
-        self._answered = False
-        self._settling = False  # its lease is being released on a closed connection
+
+    # --- derived facts ---------------------------------------------------------------------------------
+
+    @property
+    def first_delta(self) -> bool:
+        """Content is among what this attempt released (or is releasing)."""
+        return self.releases_content and self.state in (AttemptState.WRITING_AHEAD, AttemptState.RELEASED)
+
+    @property
+    def fenced(self) -> bool:
+        """Proven unable to publish: another attempt may start."""
+        return self.lease_state is LeaseState.FENCED
+
+    @property
+    def retry_after(self) -> str | None:
+        return self.reader.retry_after
+
+    # --- the one verb ----------------------------------------------------------------------------------
 
     def handle(self, event: Input) -> list[Decision]:
-        handler = TRANSITIONS.get((self.state, type(event)))
-        if handler is None:
+        reading = self._read(event)
+        step = TRANSITIONS.get((self.state, reading.kind))
+        if step is None:
             raise IllegalInput(
-                f"attempt {self.attempt_id}: {type(event).__name__} in state {self.state.value}"
+                f"attempt {self.attempt_id}: {type(event).__name__} ({reading.kind.value}) "
+                f"in state {self.state.value}"
             )
-        return handler(self, event)
+        reply_event = _REPLY_EVENTS.get(type(event))
+        if reply_event is not None:
+            self._reply(reply_event)  # first: an input the stream cannot carry changes nothing
+        if isinstance(event, ResponseHeaders):
+            self.status = event.status
+        elif isinstance(event, ResponseBody) and self.reply is not Reply.REPLIED:
+            self.held_chunks += 1  # Envoy holds it until our reply lets it go
+        decisions: list[Decision] = []
+        self.state = step.next
+        for action in step.actions:
+            decisions += self._act(action, step, reading, event)
+        if self.state is AttemptState.DECIDED and self.reply is Reply.HEADERS_HELD:
+            decisions += self._answer()
+        return decisions
 
-    # --- transitions ---------------------------------------------------------------------------------
+    # --- reading inputs ----------------------------------------------------------------------------------
 
-    def _headers(self, e: ResponseHeaders) -> list[Decision]:
-        self.status, self._headers_arrived = e.status, True
-        if e.status == 429:
-            # Seconds or an HTTP-date (29 characters): anything longer is not a Retry-After, and it would be
-            # copied into the journal record and the client's answer.
-            retry_after = e.retry_after if e.retry_after is None or len(e.retry_after) <= 64 else None
-            self.retry_after = retry_after
-            return self._fail(FailureReason.OVERLOADED, f"replica answered 429 (Retry-After {retry_after})")
-        if e.status >= 500:
-            return self._fail(FailureReason.UPSTREAM_STATUS, f"replica answered {e.status}")
-        if e.status >= 300:
-            self.state = AttemptState.PASSED_THROUGH
-            self._emit(EventName.RESPONSE_PASSED_THROUGH, status=e.status)
-            return [Release(self._held_chunks)]
-        if e.content_encoding.lower() not in ("", "identity"):
-            return self._fail(FailureReason.CONTENT_ENCODED, f"content-encoding {e.content_encoding!r}")
-        self._streaming = is_event_stream(e.content_type)
-        self.state = AttemptState.HOLDING
-        self._emit(EventName.HEADERS_HELD, status=e.status)
-        return []
+    def _read(self, event: Input) -> Reading:
+        if isinstance(event, ResponseHeaders):
+            if self.state is AttemptState.AWAITING_HEADERS:
+                return self.reader.headers(event)
+            return Reading(Kind.HEADERS_OK if event.status < 300 else Kind.HEADERS_FAILED)
+        if isinstance(event, ResponseBody):
+            return self.reader.body(event) if self.state is AttemptState.HOLDING else _CHUNK
+        if isinstance(event, StreamReset):
+            return Reading(Kind.RESET_UNCERTAIN if event.liveness_uncertain else Kind.RESET)
+        if isinstance(event, Superseded):
+            return Reading(Kind.SUPERSEDED_UNCERTAIN if event.liveness_uncertain else Kind.SUPERSEDED)
+        if isinstance(event, WriteAheadDone):
+            return Reading(
+                Kind.WRITE_AHEAD_DONE if event.lease_publishable else Kind.WRITE_AHEAD_DONE_LEASE_LOST
+            )
+        return Reading(_KINDS[type(event)])
 
-    def _body(self, e: ResponseBody) -> list[Decision]:
-        self._held_chunks += 1
-        self._held_bytes += len(e.chunk)
-        if not self._streaming:
-            # A non-stream answer is its content: released whole at its end, or, past the bound, released
-            # as it comes (Envoy must not hold a large body for us) — then a later cut is a reset.
-            self._abort_scan.feed(e.chunk)
-            if self._abort_scan.aborted:
-                return self._fail(FailureReason.ABORTED, "finish_reason abort in a non-stream answer")
-            if e.end_of_stream or self._held_bytes > self._max_held_bytes:
-                return self._write_ahead(first_delta=True)
+    # --- actions -----------------------------------------------------------------------------------------
+
+    def _act(self, action: Action, step: Step, reading: Reading, event: Input) -> list[Decision]:
+        if action is Action.HOLD:
+            self._emit(EventName.HEADERS_HELD, status=self.status)
             return []
-        events = self._scanner.feed(e.chunk)
-        if e.end_of_stream:
-            events += self._scanner.close()
-        for event in events:
-            if event.kind is EventKind.ERROR:
-                return self._fail(FailureReason.ERROR_EVENT, "in-band error event before any content")
-            if event.kind is EventKind.MALFORMED:
-                # Held, so the client saw none of it: a broken replica, retried like an in-band error.
-                return self._fail(FailureReason.MALFORMED_EVENT, "an event that is not a JSON object")
-            if event.finish_reason == "abort":
-                return self._fail(FailureReason.ABORTED, "finish_reason abort before any content")
-            if event.kind is EventKind.CONTENT:
-                return self._write_ahead(first_delta=True)
-            if event.finish_reason in COMPLETE_FINISH_REASONS:
-                self._finished = True
-            elif event.kind is EventKind.DONE:
-                # A complete generation without content (e.g. EOS as the first token): nothing to retry.
-                return self._write_ahead(first_delta=False)
-        if self._scanner.oversized:
-            return self._fail(FailureReason.EVENT_TOO_LARGE, "an SSE event over limits.max_event_bytes")
-        if self._held_bytes > self._max_held_bytes:
-            return self._fail(
-                FailureReason.RESPONSE_TOO_LARGE,
-                f"{self._held_bytes} bytes before any content (limits.max_held_response_bytes)",
-            )
-        if e.end_of_stream:
-            if self._finished:
-                return self._write_ahead(first_delta=False)
-            return self._fail(FailureReason.ENDED_WITHOUT_DONE, "response ended without content or [DONE]")
+        if action is Action.PASS:
+            self._emit(EventName.RESPONSE_PASSED_THROUGH, status=self.status)
+            self._reply(ReplyEvent.WRITE)
+            return [Release(self.held_chunks)]
+        if action is Action.FAIL:
+            reason = step.reason or reading.reason
+            assert reason is not None
+            self.failure = reason
+            self.detail = step.detail or reading.detail
+            self._emit(EventName.ATTEMPT_FAILED, reason=reason.value, detail=self.detail)
+            return [Failed(reason)]
+        if action is Action.FENCE:
+            cause = step.cause or (event.cause if isinstance(event, LivenessLost) else _UNCERTAIN)
+            self.failure = FENCE_CAUSES[cause]
+            self.detail = f"liveness uncertain ({cause.replace('_', ' ')}): fenced before anything else"
+            self._emit(EventName.REPLICA_LOST, replica=self.replica, cause=cause)
+            return [StartFence()] if self._lease(LeaseEvent.FENCE) else []
+        if action is Action.FENCED:
+            proven = isinstance(event, FenceProven)
+            proof = event.proof if isinstance(event, FenceProven) else None
+            waited_ms = event.waited_ms if isinstance(event, FenceProven) else 0.0
+            self._lease(LeaseEvent.PROVEN if proven else LeaseEvent.UNPROVABLE)
+            self.fence = {"proof": proof, "waited_ms": round(waited_ms, 1)}
+            self._emit(EventName.ATTEMPT_FENCED, attempt_id=self.attempt_id, proof=proof, waited_ms=waited_ms)
+            assert self.failure is not None
+            self._emit(EventName.ATTEMPT_FAILED, reason=self.failure.value, detail=self.detail or "")
+            return [Failed(self.failure, fence_proven=proven)]
+        if action is Action.SETTLE:
+            return [SettleLease(CONNECTION_CLOSED)] if self._lease(LeaseEvent.SETTLE) else []
+        if action is Action.WRITE_AHEAD:
+            self.releases_content = reading.kind is Kind.BODY_FIRST_DELTA
+            if self.releases_content:
+                self._emit(EventName.FIRST_DELTA_SENT, attempt_id=self.attempt_id)
+            return [WriteAhead()]
+        if action is Action.RELEASE:
+            self._reply(ReplyEvent.WRITE)
+            return [Release(self.held_chunks)]
+        if action is Action.PROVEN:
+            self._lease(LeaseEvent.PROVEN)
+            return []
+        assert action is Action.DECIDE and isinstance(event, VerdictReady)
+        self.verdict = event.verdict
         return []
 
-    def _reset_live(self, e: StreamReset) -> list[Decision]:
-        self._stream_open = False
-        if e.liveness_uncertain:
-            return self._start_fence("connection_closed_uncertain")
-        decisions = self._fail(FailureReason.CONNECTION_LOST, "connection to the replica was lost")
-        return [*decisions, *self._settle()]
-
-    def _liveness_lost(self, e: LivenessLost) -> list[Decision]:
-        return self._start_fence(e.cause)
-
-    def _stream_gone(self, e: StreamReset | Superseded) -> list[Decision]:
-        self._stream_open = False  # nothing can be answered on this stream any more
-        return self._settle() if self.state is AttemptState.FAILED else []
-
-    def _headers_while_fencing(self, e: ResponseHeaders) -> list[Decision]:
-        # The answer waits for the fence; these headers (e.g. the replica side's own 503 once it stopped)
-        # are what it will answer.
-        self.status, self._headers_arrived = e.status, True
-        return []
-
-    def _drop(self, e: ResponseBody) -> list[Decision]:
-        # A fenced or failed attempt's bytes are never released, but Envoy holds each chunk until it is
-        # answered: a retry's answer must let them all go, or Envoy never retries (nor answers the client).
-        self._held_chunks += 1
-        return []
-
-    def _fence_proven(self, e: FenceProven) -> list[Decision]:
-        self.fenced = True
-        if self.state is not AttemptState.FENCING:
-            return []  # a closed connection's lease settled: the proof needed no waiting
-        self.fence = {"proof": e.proof, "waited_ms": round(e.waited_ms, 1)}
-        self._emit(EventName.ATTEMPT_FENCED, attempt_id=self.attempt_id, proof=e.proof, waited_ms=e.waited_ms)
-        assert self.failure is not None
-        return self._fail(self.failure, self.detail or "", from_fence=True)
-
-    def _fence_unprovable(self, e: FenceUnprovable) -> list[Decision]:
-        self.fence = {"proof": None, "waited_ms": 0.0}
-        self._emit(EventName.ATTEMPT_FENCED, attempt_id=self.attempt_id, proof=None, waited_ms=0.0)
-        assert self.failure is not None
-        return self._fail(self.failure, self.detail or "", from_fence=True, fence_proven=False)
-
-    def _hold_more(self, e: ResponseBody) -> list[Decision]:
-        self._held_chunks += 1  # released with the rest
-        return []
-
-    def _write_ahead_done(self, e: WriteAheadDone) -> list[Decision]:
-        self.state = AttemptState.RELEASED
-        return [Release(self._held_chunks)]
-
-    def _reset_writing_ahead(self, e: StreamReset) -> list[Decision]:
-        self._stream_open = False
-        if e.liveness_uncertain:
-            return self._start_fence("connection_closed_uncertain")
-        decisions = self._fail(FailureReason.LOST_BEFORE_RELEASE, "replica reset before the release")
-        return [*decisions, *self._settle()]
-
-    def _superseded(self, e: Superseded) -> list[Decision]:
-        # Envoy retried on its own: whatever we released never reached its router (a reset came first).
-        self._stream_open = False
-        if e.liveness_uncertain:
-            return self._start_fence("connection_closed_uncertain")
-        decisions = self._fail(
-            FailureReason.LOST_BEFORE_RELEASE
-            if self.state in (AttemptState.RELEASED, AttemptState.WRITING_AHEAD)
-            else FailureReason.CONNECTION_LOST,
-            "Envoy started the next attempt: this one's connection was lost",
-        )
-        return [*decisions, *self._settle()]
-
-    def _verdict(self, e: VerdictReady) -> list[Decision]:
-        self.verdict = e.verdict
-        return self._answer_if_possible()
-
-    def _headers_after_failure(self, e: ResponseHeaders) -> list[Decision]:
-        self.status, self._headers_arrived = e.status, True
-        return self._answer_if_possible()
-
-    def _ignore(self, e: Input) -> list[Decision]:
-        return []
-
-    # --- helpers -------------------------------------------------------------------------------------
-
-    def _fail(
-        self, reason: FailureReason, detail: str, *, from_fence: bool = False, fence_proven: bool = True
-    ) -> list[Decision]:
-        if not from_fence:
-            self.failure, self.detail = reason, detail
-        self.state = AttemptState.FAILED
-        self.first_delta = False
-        self._emit(EventName.ATTEMPT_FAILED, reason=reason.value, detail=detail)
-        return [Failed(reason, fence_proven=fence_proven)]
-
-    def _start_fence(self, cause: str) -> list[Decision]:
-        self.failure = _FENCE_CAUSES[cause]
-        self.detail = f"liveness uncertain ({cause.replace('_', ' ')}): fenced before anything else"
-        self.state = AttemptState.FENCING
-        self.first_delta = False  # nothing of a fenced attempt is (or was) released to the client
-        self._emit(EventName.REPLICA_LOST, replica=self.replica, cause=cause)
-        return [StartFence()]
-
-    def _write_ahead(self, *, first_delta: bool) -> list[Decision]:
-        self.first_delta = first_delta
-        self.state = AttemptState.WRITING_AHEAD
-        if first_delta:
-            self._emit(EventName.FIRST_DELTA_SENT, attempt_id=self.attempt_id)
-        return [WriteAhead()]
-
-    def _answer_if_possible(self) -> list[Decision]:
+    def _answer(self) -> list[Decision]:
         # The answer is a reply to the held response headers: it waits for them, and is lost with the stream.
-        if self.verdict is None or self._answered or not self._headers_arrived or not self._stream_open:
-            return []
-        self._answered = True
-        held = self._held_chunks if isinstance(self.verdict, TriggerRetry) else 0
         # Answering ends this attempt's upstream request: its closed connection fences it. The lease stops
         # being honoured first: once the answer is written, Envoy may cancel this stream at any moment.
-        return [*self._settle(), Answer(self.verdict, held)]
+        assert self.verdict is not None
+        self._reply(ReplyEvent.WRITE)
+        held = self.held_chunks if isinstance(self.verdict, TriggerRetry) else 0
+        settle = [SettleLease(CONNECTION_CLOSED)] if self._lease(LeaseEvent.SETTLE) else []
+        return [*settle, Answer(self.verdict, held)]
 
-    def _settle(self) -> list[Decision]:
-        if self.fenced or self._settling or self.fence is not None or self.state is AttemptState.FENCING:
-            return []
-        self._settling = True
-        return [SettleLease("connection_closed")]
+    def _reply(self, event: ReplyEvent) -> None:
+        after = REPLY_TRANSITIONS.get((self.reply, event))
+        if after is None:
+            raise IllegalInput(f"attempt {self.attempt_id}: {event.value} with reply {self.reply.value}")
+        self.reply = after
+
+    def _lease(self, event: LeaseEvent) -> bool:
+        """Move the lease's machine; True when it left HELD now (the revocation is to be carried out)."""
+        after = LEASE_TRANSITIONS.get((self.lease_state, event))
+        if after is None:
+            raise IllegalInput(
+                f"attempt {self.attempt_id}: lease {event.value} while {self.lease_state.value}"
+            )
+        started = self.lease_state is LeaseState.HELD and after is not LeaseState.HELD
+        self.lease_state = after
+        return started
 
     def _emit(self, name: EventName, **detail: Any) -> None:
         self._outbox.append(Event(name, self.number, detail))
 
 
-_S = AttemptState
-_Handler = Any  # Callable[[Attempt, Input], list[Decision]]
-
-# The whole lifecycle: state × input → handler (which sets the next state and returns the decisions).
-TRANSITIONS: dict[tuple[AttemptState, type], _Handler] = {
-    (_S.AWAITING_HEADERS, ResponseHeaders): Attempt._headers,
-    (_S.AWAITING_HEADERS, StreamReset): Attempt._reset_live,
-    (_S.AWAITING_HEADERS, LivenessLost): Attempt._liveness_lost,
-    (_S.AWAITING_HEADERS, Superseded): Attempt._superseded,
-    (_S.HOLDING, ResponseBody): Attempt._body,
-    (_S.HOLDING, StreamReset): Attempt._reset_live,
-    (_S.HOLDING, LivenessLost): Attempt._liveness_lost,
-    (_S.HOLDING, Superseded): Attempt._superseded,
-    (_S.FENCING, ResponseHeaders): Attempt._headers_while_fencing,
-    (_S.FENCING, ResponseBody): Attempt._drop,
-    (_S.FENCING, StreamReset): Attempt._stream_gone,
-    (_S.FENCING, LivenessLost): Attempt._ignore,
-    (_S.FENCING, FenceProven): Attempt._fence_proven,
-    (_S.FENCING, FenceUnprovable): Attempt._fence_unprovable,
-    (_S.FENCING, Superseded): Attempt._stream_gone,
-    (_S.WRITING_AHEAD, ResponseBody): Attempt._hold_more,
-    (_S.WRITING_AHEAD, WriteAheadDone): Attempt._write_ahead_done,
-    (_S.WRITING_AHEAD, StreamReset): Attempt._reset_writing_ahead,
-    (_S.WRITING_AHEAD, Superseded): Attempt._superseded,
-    (_S.WRITING_AHEAD, LivenessLost): Attempt._liveness_lost,  # not released yet: fence instead
-    (_S.RELEASED, ResponseBody): Attempt._ignore,
-    (_S.RELEASED, StreamReset): Attempt._ignore,
-    (_S.RELEASED, LivenessLost): Attempt._ignore,
-    (_S.RELEASED, Superseded): Attempt._superseded,
-    (_S.PASSED_THROUGH, ResponseBody): Attempt._ignore,
-    (_S.PASSED_THROUGH, StreamReset): Attempt._ignore,
-    (_S.PASSED_THROUGH, LivenessLost): Attempt._ignore,
-    (_S.PASSED_THROUGH, Superseded): Attempt._ignore,
-    (_S.FAILED, ResponseHeaders): Attempt._headers_after_failure,
-    (_S.FAILED, ResponseBody): Attempt._drop,
-    (_S.FAILED, StreamReset): Attempt._stream_gone,
-    (_S.FAILED, LivenessLost): Attempt._ignore,
-    (_S.FAILED, FenceProven): Attempt._fence_proven,  # the closed connection's lease settled
-    (_S.FAILED, Superseded): Attempt._stream_gone,
-    (_S.FAILED, VerdictReady): Attempt._verdict,
+_KINDS: dict[type, Kind] = {
+    LivenessLost: Kind.LIVENESS_LOST,
+    FenceProven: Kind.FENCE_PROVEN,
+    FenceUnprovable: Kind.FENCE_UNPROVABLE,
+    VerdictReady: Kind.VERDICT,
 }
 
-
-# --- the logical request's retry gate ----------------------------------------------------------------
-
-_UNCERTAIN = frozenset({FailureReason.REPLICA_LOST, FailureReason.PATH_LOST, FailureReason.LEASE_LOST})
-
-
-@dataclass(frozen=True, slots=True)
-class Admit:
-    """Let the new attempt through to its replica (call `RetryGate.begin`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Supersede:
-    """Envoy started a new attempt before this one's end reached us: feed it `Superseded`, ask again."""
-
-    attempt: Attempt
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitFence:
-    """The previous attempt may still publish: wait until it is fenced, then ask again."""
-
-    attempt: Attempt
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """No further attempt: answer the new attempt's stream with this error."""
-
-    verdict: FailRequest
-
-
-Admission = Admit | Supersede | AwaitFence | Refuse
-
-
-class RetryGate:
-    """The attempts of one logical request and the one place that decides whether another may follow.
-
-    Before the first delta only (after it, no attempt ever fails into a retry). A retry needs: budget left
-    (`before_first_delta.max_attempts`), retries not blocked (cost cap, no journal), the previous attempt
-    fenced (`source_attempt_fenced`), a compatible replica to land on, and for an attempt whose liveness
-    was uncertain the policy's `uncertain_source_liveness.then`. A refusal is final: `on_final` ends the
-    logical request with it, and every later attempt Envoy may start is refused with the same answer.
-    """
-
-    def __init__(self, policy: Policy, outbox: list[Event], on_final: Callable[[FailRequest], None]) -> None:
-        self.attempts: list[Attempt] = []
-        self.retry_blocked: str | None = None  # why no retry may ever start (None: within the budget)
-        self.final: FailRequest | None = None
-        self._policy = policy
-        self._outbox = outbox
-        self._on_final = on_final
-
-    @property
-    def max_attempts(self) -> int:
-        return self._policy.before_first_delta.max_attempts if self.retry_blocked is None else 1
-
-    @property
-    def retries_left(self) -> int:
-        return 0 if self.final is not None else max(0, self.max_attempts - len(self.attempts))
-
-    def block(self, reason: str) -> None:
-        self.retry_blocked = self.retry_blocked or reason
-
-    def admit(self) -> Admission:
-        if self.final is not None:
-            return Refuse(self.final)
-        previous = self.attempts[-1] if self.attempts else None
-        if previous is not None:
-            if previous.state in (*LIVE_STATES, AttemptState.WRITING_AHEAD, AttemptState.RELEASED):
-                return Supersede(previous)
-            if not previous.fenced and previous.state is not AttemptState.PASSED_THROUGH:
-                return AwaitFence(previous)
-        if len(self.attempts) >= self.max_attempts:
-            return Refuse(self.finish(self._exhausted(previous)))
-        return Admit()
-
-    def begin(self, attempt_id: str, replica: str) -> Attempt:
-        limits = self._policy.limits
-        attempt = Attempt(
-            attempt_id=attempt_id,
-            number=len(self.attempts) + 1,
-            replica=replica,
-            outbox=self._outbox,
-            max_held_bytes=limits.max_held_response_bytes,
-            max_event_bytes=limits.max_event_bytes,
-        )
-        self.attempts.append(attempt)
-        self._outbox.append(
-            Event(EventName.ATTEMPT_STARTED, attempt.number, {"attempt_id": attempt_id, "replica": replica})
-        )
-        return attempt
-
-    def fence_timed_out(self, attempt: Attempt) -> FailRequest:
-        return self.finish(
-            FailRequest(
-                503,
-                Outcome.FENCE_UNPROVABLE,
-                f"attempt {attempt.number} was never proven fenced, so no other attempt may start",
-            )
-        )
-
-    def verdict(
-        self, attempt: Attempt, failed: Failed, *, no_compatible_replica: str | None
-    ) -> TriggerRetry | FailRequest:
-        """The fate of a failed attempt: another attempt, or one error for the client."""
-        if self.final is not None:
-            return self.final
-        if not failed.fence_proven:
-            return self.finish(
-                FailRequest(
-                    503,
-                    Outcome.FENCE_UNPROVABLE,
-                    "the failed attempt may still be running and its fence cannot be proven "
-                    "(etcd unreachable)",
-                )
-            )
-        if failed.reason in _UNCERTAIN and self._policy.uncertain_source_liveness.then == FAIL:
-            return self.finish(
-                FailRequest(
-                    502,
-                    Outcome.RETRY_NOT_ALLOWED,
-                    f"the replica's liveness was uncertain ({failed.reason.value}); the attempt was fenced "
-                    "and the policy (uncertain_source_liveness.then: fail_request) allows no retry",
-                )
-            )
-        if attempt.number < self.max_attempts and self.final is None:
-            if no_compatible_replica is not None:
-                return self.finish(
-                    FailRequest(
-                        503,
-                        Outcome.NO_COMPATIBLE_REPLICA,
-                        f"no compatible replica is left to retry on: {no_compatible_replica}",
-                    )
-                )
-            self._outbox.append(
-                Event(EventName.RETRY_TRIGGERED, attempt.number, {"reason": failed.reason.value})
-            )
-            return TriggerRetry(failed.reason.value)
-        return self.finish(self._exhausted(attempt))
-
-    def finish(self, verdict: FailRequest) -> FailRequest:
-        """Refuse every further attempt with `verdict` and end the logical request with it."""
-        if self.final is None:
-            self.final = verdict
-            number = len(self.attempts) or None
-            self._outbox.append(Event(EventName.RETRY_REFUSED, number, {"reason": verdict.code}))
-            self._on_final(verdict)
-        return self.final
-
-    def _exhausted(self, last: Attempt | None) -> FailRequest:
-        if self.retry_blocked is not None:
-            return FailRequest(502, Outcome.RETRY_NOT_ALLOWED, self.retry_blocked)
-        if last is not None and last.failure is FailureReason.OVERLOADED:
-            overloaded = sum(1 for a in self.attempts if a.failure is FailureReason.OVERLOADED)
-            return FailRequest(
-                429,
-                Outcome.REPLICAS_OVERLOADED,
-                f"{overloaded} of the {len(self.attempts)} attempts got 429 (overloaded), the last one too; "
-                "try again later",
-                retry_after=last.retry_after,
-            )
-        why = f"; the last: {last.failure.value}" if last is not None and last.failure else ""
-        return FailRequest(
-            502, Outcome.RETRIES_EXHAUSTED, f"all {self.max_attempts} attempts failed before any content{why}"
-        )
+_REPLY_EVENTS: dict[type, ReplyEvent] = {
+    ResponseHeaders: ReplyEvent.HEADERS,
+    StreamReset: ReplyEvent.STREAM_GONE,
+    Superseded: ReplyEvent.STREAM_GONE,
+}

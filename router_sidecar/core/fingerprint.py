@@ -1,6 +1,6 @@
 """The compatibility fingerprint of a replica (pure: no IO, no clock).
 
-A retry may only land on a replica that would compute the same thing as the pinned one (DESIGN.md §8,
+A retry may only land on a replica that would compute the same thing as the pinned one (docs/design.md,
 invariant 7). Two replicas are *compatible* exactly when their fingerprints have the same digest.
 
 Where the facts come from:

@@ -1,4 +1,4 @@
-"""The operator policy: short, strict, validated at start-up (DESIGN.md §7).
+"""The operator policy: short, strict, validated at start-up (docs/policy.md).
 
 Unknown keys and impossible combinations are errors, not warnings: a typo in a safety policy
 must stop the sidecar instead of silently running with a default. Every key is optional;
@@ -290,7 +290,7 @@ class Limits:
         default=4 * 1024 * 1024,
         metadata=_key("larger request bodies are answered 413 before any attempt", lo=1),
     )
-    # Envoy 1.40 crashes holding ~1 MiB in the upstream filter (DESIGN.md §5.13): the bound stays well below.
+    # Envoy 1.40 crashes holding ~1 MiB in the upstream filter (docs/envoy-facts.md): the bound is well below.
     max_held_response_bytes: int = field(
         default=256 * 1024,
         metadata=_key(
@@ -444,7 +444,7 @@ class TenancyPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The whole policy (DESIGN.md §7)."""
+    """The whole policy (docs/policy.md)."""
 
     on_upstream_failure: OnUpstreamFailure = field(default_factory=OnUpstreamFailure)
     budgets: Budgets = field(default_factory=Budgets)

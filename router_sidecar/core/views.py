@@ -9,17 +9,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router_sidecar.core.attempt import Attempt, AttemptState, FailRequest
+from router_sidecar.core.attempt import FAILED_STATES, Attempt, AttemptState, FailRequest
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
 
 
-def attempt_record(attempt: Attempt, request_phase: Phase) -> rec.AttemptRecord:
-    outcome = attempt.state.value
+def attempt_outcome(attempt: Attempt, request_phase: Phase) -> str:
+    """How the attempt ended, as the journal, the client's error body and the metrics say it."""
     if attempt.state is AttemptState.RELEASED and request_phase in TERMINAL_PHASES:
         # The publishing attempt ends with its request: it completed, or was interrupted or cancelled.
-        outcome = request_phase.value
+        return request_phase.value
+    # Failed, whatever its verdict was (retry or the request's error): that is the request's to say.
+    return AttemptState.FAILED.value if attempt.state in FAILED_STATES else attempt.state.value
+
+
+def attempt_record(attempt: Attempt, request_phase: Phase) -> rec.AttemptRecord:
+    outcome = attempt_outcome(attempt, request_phase)
     lease = attempt.lease
     return rec.AttemptRecord(
         attempt=attempt.number,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import hmac
 import json
@@ -22,11 +21,9 @@ import time
 import grpc
 from google.protobuf.struct_pb2 import Struct
 
-from router_sidecar.coordination.journal import ClaimConflict
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
-from router_sidecar.core.attempt import FailRequest
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
@@ -146,7 +143,7 @@ class ToolCall(PassThrough):
 
 
 class Inference(PassThrough):
-    """An admitted inference request: admission at its body, then its response through the machine."""
+    """An admitted inference request: its admission, then its response, through the request machine."""
 
     def __init__(
         self,
@@ -166,10 +163,10 @@ class Inference(PassThrough):
         self._request_id = request_id
         self._tenant = tenant
         self._live: Live | None = None
-        self._deadline: asyncio.TimerHandle | None = None
         self._replacement: bytes | None = None  # our error body, sent instead of the response's own
-        self._response_seen = False  # the response headers reached this filter
-        self._claim_answered = False  # the refusal of a claimed-elsewhere id went out
+        # The machine's reply to the message being handled (request body, response headers), when it comes.
+        self._reply: asyncio.Future[r.Decision] | None = None
+        self._headers_only = False  # the response being answered has no body (its headers end it)
 
     # --- admission -------------------------------------------------------------------------------------
 
@@ -209,94 +206,54 @@ class Inference(PassThrough):
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
             pin = pin_metadata(pinned.digest)
-        live = services.registry.add(request)
+        live = services.registry.add(request, services)
         if live is None:
             return _in_flight(request_id)
+        live.client = self
+        self._live = live
         services.telemetry.admitted(request, self._trace_context)
         logs.bind(request_id=request_id)
-        # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it). Until
-        # it is settled nothing of any attempt reaches the client: the upstream placement waits for it before
-        # it releases anything, and so does a response that reaches this filter.
         services.journal.begin(request)
-        claim = live.claim = asyncio.get_running_loop().create_task(self._claim(live))
-        if policy.journal.claim_before_forwarding:
-            try:
-                conflict = await asyncio.shield(claim)
-            except asyncio.CancelledError:
-                # The client left (Envoy cancelled the stream) during the claim: no stream end will settle
-                # this request, so its claim does when it is over.
-                services.registry.remove(live)
-                claim.add_done_callback(functools.partial(self._abandoned, request))
-                raise
-            if conflict is not None:
-                services.registry.remove(live)
-                services.journal.release(request)
-                return m.immediate(409, _claim_refused(conflict, request_id), extra_headers=self._id_header)
-        else:
-            claim.add_done_callback(self._claim_settled)
+        # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it); the
+        # machine holds back whatever must wait for it.
+        decision = await self._decided(r.Admitted())
+        if isinstance(decision, r.RejectRequest):
+            # A duplicate refused before forwarding: nothing of this run was journaled, nothing is served.
+            self._live = None
+            services.registry.remove(live)
+            services.journal.release(request)
+            return self._immediate(request, decision.error)
         logs.bind(trace_id=services.telemetry.trace_id(request))
-        self._live = live
-        live.publisher_lost = self._publisher_lost
-        self._deadline = asyncio.get_running_loop().call_later(
-            policy.deadlines.request_seconds, self._deadline_reached
-        )
         return m.request_body_reply(dynamic_metadata=pin)
 
-    async def _claim(self, live: Live) -> ClaimConflict | None:
-        """Claim the request's id in the journal: None when this run holds it (or etcd is away: then it is
-        served without retries), else the conflict (another run holds the id)."""
-        request = live.request
-        try:
-            # Claimed before forwarding, the claim runs inside Envoy's admission timeout: no patience then.
-            patient = not self._policy.journal.claim_before_forwarding
-            await self._services.journal.claim(request, patient=patient)
-        except ClaimConflict as conflict:
-            # No retry of this run may start: it ends with the refusal (below) before anything reached the
-            # client, and nothing of it is journaled.
-            request.gate.block("the request id belongs to another run")
-            return conflict
-        except StoreUnavailable as exc:
-            # Degraded mode: serve, but without a durable journal no retry can be proven safe.
-            log.error("journal unavailable, serving request %s without retries: %s", request.request_id, exc)
-            request.gate.block("the request journal (etcd) is unreachable, so no retry can be proven safe")
-        except Exception:
-            # A bug: served like degraded mode (the journal writes nothing more of this run).
-            log.exception("journal claim of %s failed; serving it without retries", request.request_id)
-            request.gate.block("the request journal could not record this request, so no retry is safe")
-        return None
+    async def _decided(self, event: r.Input) -> r.Decision:
+        """Feed `event` and wait for the machine's reply to the message it came with (now, or once what it
+        waits for — the claim — is settled)."""
+        assert self._live is not None
+        reply = self._reply = asyncio.get_running_loop().create_future()
+        await self._live.feed(event)
+        return await reply
 
-    def _abandoned(self, request: r.LogicalRequest, claim: asyncio.Task[ClaimConflict | None]) -> None:
-        """The client left while the claim ran (claim_before_forwarding): if the claim won, the record says
-        the request ended (its key is not left "in flight"); either way the entry goes."""
-        services = self._services
-        if claim.cancelled() or claim.result() is not None:
-            services.telemetry.forget(request)
-            services.journal.release(request)
-            return
-        request.handle(r.DownstreamLost(r.DownstreamLoss.CLIENT_GONE, None))
+    # --- what the machine addresses to the client stream -----------------------------------------------
 
-        async def record_the_end() -> None:
-            try:
-                await services.journal.finish(request)
-            finally:
-                services.journal.release(request)
+    async def deliver(self, decision: r.Decision) -> None:
+        if isinstance(decision, r.FailNow):
+            # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
+            # upstream request (verified on Envoy 1.40).
+            assert self._live is not None
+            await self._writer.write(self._immediate(self._live.request, decision.error), ends_stream=True)
+        elif isinstance(decision, r.Terminate):
+            # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream (= cancel).
+            await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
+        elif self._reply is not None and not self._reply.done():
+            self._reply.set_result(decision)
 
-        asyncio.get_running_loop().create_task(record_the_end())
-
-    def _claim_settled(self, claim: asyncio.Task[ClaimConflict | None]) -> None:
-        """The claim that ran beside the first attempt is settled: if the id was another run's, the client
-        gets the refusal now (nothing reached it: the upstream placement releases nothing before this)."""
-        if claim.cancelled() or claim.exception() is not None or claim.result() is None:
-            return
-        if self._claim_answered or self._response_seen:
-            return  # on_response_headers answers it (it waits for the claim)
-        self._claim_answered = True
-        conflict = claim.result()
-        assert conflict is not None
-        reply = m.immediate(409, _claim_refused(conflict, self._request_id), extra_headers=self._id_header)
-        # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
-        # upstream request (the same as a deadline before the first delta).
-        asyncio.get_running_loop().create_task(self._writer.write(reply, ends_stream=True))
+    def _immediate(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
+        if isinstance(error, r.DuplicateRun):
+            return m.immediate(409, _duplicate_body(error, self._request_id), extra_headers=self._id_header)
+        return m.immediate(
+            error.status, views.error_body(request, error), extra_headers=views.error_headers(request, error)
+        )
 
     @property
     def _id_header(self) -> list[tuple[str, str]]:
@@ -307,48 +264,33 @@ class Inference(PassThrough):
     async def on_response_headers(self, message: m.ProcessingRequest) -> m.Reply | None:
         if self._live is None:
             return m.response_headers_reply()
-        self._response_seen = True
-        conflict = await self._live.claim_conflict()
-        if conflict is not None:
-            if self._claim_answered:
-                return None  # the refusal went out already
-            self._claim_answered = True
-            return self._replace_with(
-                409,
-                _claim_refused(conflict, self._request_id),
-                self._id_header,
-                headers_only=message.response_headers.end_of_stream,
-            )
         request = self._live.request
         headers = m.header_map(message.response_headers)
         attrs = m.attributes(message)
-        started = r.ResponseStarted(
-            status=int(headers.get(":status", "0") or 0),
-            content_type=headers.get("content-type", ""),
-            flags=m.response_flags(attrs.get("response.flags")),
-            details=str(attrs.get("response.code_details", "")),
-            no_compatible_replica=self._no_compatible_replica(request),
-        )
-        decision = request.handle(started)
-        self._services.journal.update(request)
-        if isinstance(decision, r.ReplaceResponse):
-            return self._replace(
-                request, decision.verdict, headers_only=message.response_headers.end_of_stream
+        self._headers_only = message.response_headers.end_of_stream
+        decision = await self._decided(
+            r.ResponseStarted(
+                status=int(headers.get(":status", "0") or 0),
+                content_type=headers.get("content-type", ""),
+                flags=m.response_flags(attrs.get("response.flags")),
+                details=str(attrs.get("response.code_details", "")),
+                no_compatible_replica=self._no_compatible_replica(request),
             )
+        )
+        if isinstance(decision, r.WithholdResponse):
+            return None  # the client was answered already
+        if isinstance(decision, r.ReplaceResponse):
+            return self._replace(request, decision.error)
         return m.response_headers_reply(m.header_mutation([("x-request-id", request.request_id)]))
 
-    def _replace(
-        self, request: r.LogicalRequest, verdict: FailRequest, *, headers_only: bool
-    ) -> m.ProcessingResponse:
-        body = views.error_body(request, verdict)
-        headers = views.error_headers(request, verdict)
-        return self._replace_with(verdict.status, body, headers, headers_only=headers_only)
-
-    def _replace_with(
-        self, status: int, body: bytes, headers: list[tuple[str, str]], *, headers_only: bool
-    ) -> m.ProcessingResponse:
-        if headers_only:
-            return m.immediate(status, body, extra_headers=headers)
+    def _replace(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
+        if self._headers_only:
+            return self._immediate(request, error)
+        if isinstance(error, r.DuplicateRun):
+            status, body, headers = 409, _duplicate_body(error, self._request_id), self._id_header
+        else:
+            status, body = error.status, views.error_body(request, error)
+            headers = views.error_headers(request, error)
         # Our status and content type now, our body in place of the first chunk; the rest is dropped.
         self._replacement = body
         mutation = m.header_mutation(
@@ -358,66 +300,33 @@ class Inference(PassThrough):
         return m.response_headers_reply(mutation)
 
     async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply | None:
-        if self._live is None:
+        live = self._live
+        if live is None:
             return m.streamed_body(chunk, end_of_stream)
         if self._replacement is not None:
             body, self._replacement = self._replacement, b""
             if body:
                 await self._writer.write(m.streamed_body(body, True), ends_stream=True)
             return None
-        request = self._live.request
-        if self._live.publisher_progress is not None:
-            self._live.publisher_progress.received += len(chunk)
+        request = live.request
+        if live.publisher_progress is not None:
+            live.publisher_progress.received += len(chunk)
         publisher = request.publisher
         if publisher is not None and publisher.lease is not None and not publisher.lease.publishable():
-            # Its right to publish is gone (fenced, or its lease could not be renewed): drop, and end. Before
-            # its first content passed here the machine ends the stream right after that content instead.
-            lost = request.handle(r.PublisherLost("lease_lost"))
-            if not isinstance(lost, r.NoAction):
-                await self._end_with(lost)
-                return None
-        decision = request.handle(r.ResponseChunk(chunk, end_of_stream))
+            # Its right to publish is gone (fenced, or its lease could not be renewed): the machine ends the
+            # stream (before its first content passed here: right after the chunk that brings it).
+            for decision in await live.feed(r.PublisherLost("lease_lost")):
+                if isinstance(decision, r.Terminate):
+                    return None
+        reply: m.Reply | None = None
+        for decision in request.handle(r.ResponseChunk(chunk, end_of_stream)):
+            if isinstance(decision, r.Forward):
+                reply = m.streamed_body(decision.data, decision.end_of_stream)
+            elif isinstance(decision, r.Terminate):
+                # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream.
+                await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
         self._services.journal.progress(request)
-        if isinstance(decision, r.Forward):
-            return m.streamed_body(decision.data, decision.end_of_stream)
-        if isinstance(decision, r.Terminate):
-            # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream (= cancel).
-            await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
-        return None
-
-    async def _publisher_lost(self, cause: str) -> None:
-        """The replica publishing into this stream lost its heartbeat or its path: end the stream."""
-        if self._live is None:
-            return
-        request = self._live.request
-        publisher = request.publisher
-        if publisher is not None and publisher.lease is not None:
-            # No retry follows, so there is no proof to wait for: revoke, and stop forwarding now.
-            await self._services.leases.release(publisher.lease)
-        await self._end_with(request.handle(r.PublisherLost(cause)))
-
-    def _deadline_reached(self) -> None:
-        if self._live is not None:
-            asyncio.get_running_loop().create_task(
-                self._end_with(self._live.request.handle(r.DeadlineReached()))
-            )
-
-    async def _end_with(self, decision: r.Decision) -> None:
-        assert self._live is not None
-        request = self._live.request
-        self._services.journal.update(request)
-        if isinstance(decision, r.Terminate):
-            await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
-        elif isinstance(decision, r.FailNow):
-            # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
-            # upstream request (verified on Envoy 1.40).
-            verdict = decision.verdict
-            reply = m.immediate(
-                verdict.status,
-                views.error_body(request, verdict),
-                extra_headers=views.error_headers(request, verdict),
-            )
-            await self._writer.write(reply, ends_stream=True)
+        return reply
 
     def _no_compatible_replica(self, request: r.LogicalRequest) -> str | None:
         digest = request.fingerprint_digest
@@ -431,9 +340,10 @@ class Inference(PassThrough):
         return why_no_compatible_replica(replicas, pinned, exclude=exclude)
 
     def on_stream_end(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
+        if self._reply is not None and not self._reply.done():
+            self._reply.cancel()
         if self._live is not None:
+            self._live.stop()  # its deadline must not fire while the stream's end is being classified
             # Possibly cancelled here: settle the outcome in a task of its own.
             asyncio.get_running_loop().create_task(self._settle(self._live))
 
@@ -445,11 +355,11 @@ class Inference(PassThrough):
                 # Who tore the stream down (the client, the replica, Envoy itself) is in Envoy's access log.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
-                request.handle(
+                await live.feed(
                     r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN, live.client_status)
                 )
         finally:
-            live.stop_watching()
+            live.stop()
             if live.publisher_progress is not None:
                 services.progress.untrack(live.publisher_progress)
             try:
@@ -464,9 +374,9 @@ class Inference(PassThrough):
                 services.journal.release(request)
 
 
-def _claim_refused(conflict: ClaimConflict, request_id: str) -> bytes:
+def _duplicate_body(duplicate: r.DuplicateRun, request_id: str) -> bytes:
     """The 409 body for a request whose id another run holds: still in flight, or finished with output."""
-    if conflict.in_flight:
+    if duplicate.in_flight:
         return _in_flight_body(request_id)
     return _error_body(
         "request_already_finished",
@@ -474,7 +384,7 @@ def _claim_refused(conflict: ClaimConflict, request_id: str) -> bytes:
         "the journal. Send a new key to ask again.",
         request_id,
         journal=LOOKUP_PREFIX + request_id,
-        outcome=conflict.existing.get("outcome"),
+        outcome=duplicate.outcome,
     )
 
 

@@ -10,7 +10,8 @@ response body FULL_DUPLEX_STREAMED, so every chunk the engine writes goes on onl
   (`replica_fence.AttemptGuard`). Each chunk is checked against the local state only. Once the lease is
   revoked or past its local deadline — found by a chunk or by the guard's timer while no chunk arrives (a
   frozen engine) — nothing more is forwarded: an unsolicited end_of_stream ends the gateway's side and
-  makes Envoy reset the engine request (DESIGN.md §5.6), and the cancel ack is written to etcd.
+  makes Envoy reset the engine request (docs/envoy-facts.md#ending-a-client-stream), and the cancel ack
+  is written to etcd.
 """
 
 from __future__ import annotations

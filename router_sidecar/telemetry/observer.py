@@ -20,7 +20,7 @@ from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from router_sidecar.core.attempt import AttemptState
+from router_sidecar.core import views
 from router_sidecar.core.events import EventName
 from router_sidecar.core.request import LogicalRequest, Phase
 
@@ -286,10 +286,10 @@ class Telemetry:
         if traced.first_delta_at is not None and delivered > 1:
             self.tpot.record(max(0.0, end - traced.first_delta_at) / (delivered - 1), traced.attributes)
         for attempt in request.attempts:
-            self.attempts.add(1, {"outcome": _attempt_outcome(attempt.state, request.phase)})
+            self.attempts.add(1, {"outcome": views.attempt_outcome(attempt, request.phase)})
             span = traced.attempts.get(attempt.number)
             if span is not None:
-                span.set_attribute(_NS + "outcome", _attempt_outcome(attempt.state, request.phase))
+                span.set_attribute(_NS + "outcome", views.attempt_outcome(attempt, request.phase))
                 if attempt.failure is not None:
                     span.set_attribute(_NS + "failure", attempt.failure.value)
                 if attempt.status is not None:
@@ -373,9 +373,3 @@ class Telemetry:
             start_time=_ns(at),
             attributes=attributes,
         )
-
-
-def _attempt_outcome(state: AttemptState, phase: Phase) -> str:
-    if state is AttemptState.RELEASED:
-        return phase.value  # the publishing attempt ends with its request
-    return state.value

@@ -19,8 +19,8 @@ RAW_REPLICA_ERROR_MARKERS = (b"EngineCore encountered an issue",)
 
 
 def is_content(payload: Any) -> bool:
-    """DESIGN §2 "first delta": non-empty delta.content, any delta.tool_calls, delta.reasoning_content, or
-    text (completions). A role-only chunk or an empty delta is not content."""
+    """The "first delta" of docs/design.md#vocabulary: non-empty delta.content, any delta.tool_calls,
+    delta.reasoning_content, or text (completions). A role-only chunk or an empty delta is not content."""
     if not isinstance(payload, dict):
         return False
     choices = payload.get("choices")

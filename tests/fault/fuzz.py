@@ -682,7 +682,7 @@ class FuzzReport:
     seconds: float = 0.0
 
     def by_invariant(self) -> dict[str, dict[str, list[tuple[int, Violation]]]]:
-        """invariant → check → [(trial seed, violation)], invariants in DESIGN order, checks by count."""
+        """invariant → check → [(trial seed, violation)], invariants by number, checks by count."""
         out: dict[str, dict[str, list[tuple[int, Violation]]]] = {}
         for seed, v in self.violations:
             out.setdefault(v.invariant, {}).setdefault(v.check, []).append((seed, v))

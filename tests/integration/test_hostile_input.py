@@ -1,4 +1,4 @@
-"""Hostile input from both sides (DESIGN.md §8, invariant 10): no input from a replica or a client crashes
+"""Hostile input from both sides (invariant 10, docs/design.md): no input from a replica or a client crashes
 Envoy or the sidecar or makes them hold unbounded memory; each gets a clear, bounded answer, and the gateway
 keeps serving.
 
@@ -818,7 +818,7 @@ def test_a_huge_request_header_is_refused_by_envoy_and_the_gateway_keeps_serving
     # Plain Envoy 1.40 answers this with 431. With an ext_proc filter on the connection manager, Envoy 1.40
     # closes the connection on the codec error before the filter has passed its local reply on (verified:
     # the filter is asked, the connection is already gone): the client sees a close without a status. That
-    # is Envoy's limit (README, "Status and limits"); what the gateway must do is reach no replica and keep
+    # is Envoy's limit (docs/bounds.md#known-limits); what the gateway must do is reach no replica and keep
     # serving, with the same Envoy.
     envoy = stack.envoy_pid()
     probe = probe_id()

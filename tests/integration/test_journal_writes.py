@@ -1,5 +1,5 @@
 """The journal's cost in etcd through a real gateway: every request is three etcd revisions (the claim, the
-write-ahead, the end), streamed or not, retried or not; the numbers the README's sizing rests on.
+write-ahead, the end), streamed or not, retried or not; the numbers docs/journal.md#sizing rests on.
 
 Its own etcd, so that nothing but this gateway writes there (lease keep-alives and grants make no revision).
 """

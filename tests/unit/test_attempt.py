@@ -2,7 +2,8 @@
 
 Three layers, h11-style:
 * an exhaustive table: every `AttemptState` × every input type, with the next state and the exact decisions,
-  written from the docstrings and DESIGN.md (not from `TRANSITIONS`); pairs the machine must refuse raise;
+  written from the docstrings and docs/design.md (not from `TRANSITIONS`); pairs the machine must
+  refuse raise;
 * stories: lists of steps, each an input and the exact decisions it must produce;
 * the real vLLM transcripts in seeded random chunkings.
 """
@@ -147,6 +148,7 @@ PATHS: dict[AttemptState, list[Input]] = {
     AttemptState.RELEASED: [H(), B(ROLE), B(CONTENT), WriteAheadDone()],
     AttemptState.PASSED_THROUGH: [H(404, JSON)],
     AttemptState.FAILED: [H(503, JSON)],  # headers in, stream open, lease not settled, no verdict yet
+    AttemptState.DECIDED: [H(503, JSON), VerdictReady(RETRY)],  # answered: its lease is being settled
 }
 
 
@@ -162,7 +164,7 @@ class Row:
 
 ILLEGAL = Row(None)
 S = AttemptState
-_AH, _HO, _FE, _WA, _RE, _PT, _FA = (
+_AH, _HO, _FE, _WA, _RE, _PT, _FA, _DE = (
     S.AWAITING_HEADERS,
     S.HOLDING,
     S.FENCING,
@@ -170,6 +172,7 @@ _AH, _HO, _FE, _WA, _RE, _PT, _FA = (
     S.RELEASED,
     S.PASSED_THROUGH,
     S.FAILED,
+    S.DECIDED,
 )
 FENCING_WITH_HEADERS = [H(), B(ROLE), LivenessLost("heartbeat_lapsed")]
 FAILED_BY_FENCE_WITH_VERDICT = [
@@ -177,7 +180,9 @@ FAILED_BY_FENCE_WITH_VERDICT = [
     FenceProven("cancel_ack"),
     VerdictReady(RETRY),
 ]
+FAILED_BY_FENCE = [LivenessLost("heartbeat_lapsed"), FenceProven("cancel_ack")]  # no headers, no verdict
 FAILED_BY_RESET = [StreamReset()]
+DECIDED_BY_RESET = [StreamReset(), VerdictReady(RETRY)]  # its lease settling, nothing to answer
 
 EXPECTED: dict[tuple[AttemptState, type], Row] = {
     # Sent to its replica, no response headers yet.
@@ -207,7 +212,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_FE, LivenessLost): Row(_FE),  # already fencing: no second fence
     (_FE, FenceProven): Row(_FA, [Failed(FailureReason.REPLICA_LOST)]),
     (_FE, FenceUnprovable): Row(_FA, [Failed(FailureReason.REPLICA_LOST, fence_proven=False)]),
-    (_FE, WriteAheadDone): ILLEGAL,  # the shell feeds it only while writing ahead
+    (_FE, WriteAheadDone): Row(_FE),  # fenced while its write-ahead was on its way: never released
     (_FE, Superseded): Row(_FE),
     (_FE, VerdictReady): ILLEGAL,  # not failed yet
     # First delta found: first_delta_sent is being made durable.
@@ -240,16 +245,26 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_PT, WriteAheadDone): ILLEGAL,
     (_PT, Superseded): Row(_PT),
     (_PT, VerdictReady): ILLEGAL,
-    # Failed before release: the verdict is (or will be) its answer.
-    (_FA, ResponseHeaders): Row(_FA, [Answer(RETRY, 0)], path=FAILED_BY_FENCE_WITH_VERDICT),  # deferred
+    # Failed before release, its verdict not known yet: nothing is answered before it.
+    (_FA, ResponseHeaders): Row(_FA, path=FAILED_BY_FENCE),  # kept for the answer
     (_FA, ResponseBody): Row(_FA),  # a failed attempt's bytes are never released
     (_FA, StreamReset): Row(_FA, [SETTLE]),  # its connection is closed now: that fences it
     (_FA, LivenessLost): Row(_FA),
     (_FA, FenceProven): Row(_FA, [], path=FAILED_BY_RESET, input=FenceProven("connection_closed")),
     (_FA, FenceUnprovable): ILLEGAL,  # only a fence's wait ends unprovable, and it ended already
-    (_FA, WriteAheadDone): ILLEGAL,  # the shell feeds it only while writing ahead
+    (_FA, WriteAheadDone): Row(_FA),  # reset while its write-ahead was on its way: nothing to release
     (_FA, Superseded): Row(_FA, [SETTLE]),
-    (_FA, VerdictReady): Row(_FA, [SETTLE, Answer(RETRY, 0)]),  # the lease first, then the answer
+    (_FA, VerdictReady): Row(_DE, [SETTLE, Answer(RETRY, 0)]),  # the lease first, then the answer
+    # The verdict is known: answered as soon as (and only if) the held headers are there.
+    (_DE, ResponseHeaders): Row(_DE, [Answer(RETRY, 0)], path=FAILED_BY_FENCE_WITH_VERDICT),  # deferred
+    (_DE, ResponseBody): Row(_DE),
+    (_DE, StreamReset): Row(_DE),  # answered: its lease is settling already
+    (_DE, LivenessLost): Row(_DE),
+    (_DE, FenceProven): Row(_DE, [], path=DECIDED_BY_RESET, input=FenceProven("connection_closed")),
+    (_DE, FenceUnprovable): ILLEGAL,
+    (_DE, WriteAheadDone): Row(_DE),
+    (_DE, Superseded): Row(_DE),
+    (_DE, VerdictReady): ILLEGAL,  # one verdict per failure
 }
 
 
@@ -671,7 +686,7 @@ STORIES: list[Story] = [
             (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
             (VerdictReady(RETRY), [Answer(RETRY, 0)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.REPLICA_LOST,
     ),
@@ -683,7 +698,7 @@ STORIES: list[Story] = [
             (VerdictReady(RETRY), NONE),
             (H(), [Answer(RETRY, 0)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.REPLICA_LOST,
     ),
@@ -695,7 +710,7 @@ STORIES: list[Story] = [
             (VerdictReady(FAIL_502), NONE),
             (H(503), [Answer(FAIL_502, 0)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.PATH_LOST,
     ),
@@ -711,7 +726,7 @@ STORIES: list[Story] = [
             (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
             (VerdictReady(RETRY), [Answer(RETRY, 3)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.REPLICA_LOST,
     ),
@@ -725,7 +740,7 @@ STORIES: list[Story] = [
             (FenceProven("cancel_ack"), _f(R.REPLICA_LOST)),
             (VerdictReady(RETRY), NONE),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.REPLICA_LOST,
     ),
@@ -737,14 +752,14 @@ STORIES: list[Story] = [
             (VerdictReady(RETRY), NONE),
             (FenceProven("connection_closed"), NONE),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.UPSTREAM_STATUS,
     ),
     Story(
         "reset_awaiting_headers_no_answer",
         [(StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE]), (VerdictReady(RETRY), NONE), (H(), NONE)],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.CONNECTION_LOST,
     ),
@@ -757,7 +772,7 @@ STORIES: list[Story] = [
             (StreamReset(), NONE),
             (FenceProven("connection_closed"), NONE),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.UPSTREAM_STATUS,
     ),
@@ -770,7 +785,7 @@ STORIES: list[Story] = [
             (B(ERROR), _f(R.ERROR_EVENT)),
             (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 3)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.ERROR_EVENT,
     ),
@@ -783,20 +798,9 @@ STORIES: list[Story] = [
             (B(ERROR), _f(R.ERROR_EVENT)),
             (VerdictReady(FAIL_502), [SETTLE, Answer(FAIL_502, 0)]),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.ERROR_EVENT,
-    ),
-    Story(
-        "second_verdict_is_not_answered",
-        [
-            (H(429), _f(R.OVERLOADED)),
-            (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 0)]),
-            (VerdictReady(FAIL_502), NONE),
-        ],
-        S.FAILED,
-        False,
-        R.OVERLOADED,
     ),
     # --- the stream is reset ------------------------------------------------------------------------------
     Story(
@@ -958,7 +962,7 @@ STORIES: list[Story] = [
     Story(
         "superseded_failed",
         [(H(503), _f(R.UPSTREAM_STATUS)), (Superseded(), [SETTLE]), (VerdictReady(RETRY), NONE)],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.UPSTREAM_STATUS,
     ),
@@ -969,11 +973,19 @@ STORIES: list[Story] = [
             (VerdictReady(RETRY), [SETTLE, Answer(RETRY, 0)]),
             (Superseded(), NONE),
         ],
-        S.FAILED,
+        S.DECIDED,
         False,
         R.UPSTREAM_STATUS,
     ),
 ]
+
+
+def test_a_second_verdict_is_illegal() -> None:
+    attempt = drive([H(429), VerdictReady(RETRY)])
+    assert attempt.state is S.DECIDED
+    with pytest.raises(IllegalInput, match="att-1"):
+        attempt.handle(VerdictReady(FAIL_502))
+    assert attempt.verdict == RETRY
 
 
 @pytest.mark.parametrize("story", STORIES, ids=[s.id for s in STORIES])

@@ -18,13 +18,11 @@ from router_sidecar.coordination import journal as journal_module
 from router_sidecar.coordination.journal import ClaimConflict, Journal, RecordTaken
 from router_sidecar.coordination.store import Also, Lease, MemoryStore, StoreUnavailable, keys
 from router_sidecar.core.attempt import (
-    Failed,
     FenceProven,
     ResponseBody,
     ResponseHeaders,
     StreamReset,
-    VerdictReady,
-    WriteAhead,
+    TriggerRetry,
 )
 from router_sidecar.core.events import EventName
 from router_sidecar.core.openai_api import MAX_MODEL_NAME_CHARS, RouteKind, parse_request
@@ -38,9 +36,10 @@ from router_sidecar.core.request import (
     ResponseStarted,
     Terminate,
     ToolCallNoted,
+    WriteAheadJournal,
 )
 from router_sidecar.core.sse import DONE_EVENT
-from tests.unit.test_request import SSE, begin, failed, released, started
+from tests.unit.test_request import SSE, begin, fa, failed, released, started
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -126,7 +125,8 @@ def _interrupted(r: LogicalRequest) -> None:
     released(r, "a1", "r")
     started(r)
     chunk(r, CONTENT, False)
-    assert isinstance(r.handle(ResponseChunk(b"", True)), Terminate)
+    [end] = r.handle(ResponseChunk(b"", True))
+    assert isinstance(end, Terminate)
 
 
 def _in_decode(r: LogicalRequest) -> None:
@@ -137,8 +137,8 @@ def _in_decode(r: LogicalRequest) -> None:
 
 def _writing_ahead(r: LogicalRequest) -> None:
     attempt = begin(r, "a1", "r")
-    attempt.handle(ResponseHeaders(200, SSE))
-    assert attempt.handle(ResponseBody(CONTENT, False)) == [WriteAhead()]
+    fa(r, attempt, ResponseHeaders(200, SSE))
+    assert fa(r, attempt, ResponseBody(CONTENT, False)) == [WriteAheadJournal("a1")]
 
 
 def _in_prefill(r: LogicalRequest) -> None:
@@ -446,8 +446,8 @@ def test_write_ahead_is_durable_before_it_returns() -> None:
         await j.claim(r)
         attempt = begin(r, "a1", "r1")
         j.update(r)  # a background flush in flight must not delay or reorder the write-ahead
-        attempt.handle(ResponseHeaders(200, SSE))
-        assert attempt.handle(ResponseBody(CONTENT, False)) == [WriteAhead()]
+        fa(r, attempt, ResponseHeaders(200, SSE))
+        assert fa(r, attempt, ResponseBody(CONTENT, False)) == [WriteAheadJournal("a1")]
         await j.write_ahead(r)
         now = stored(store, "tenant-a", "idem-1")
         assert now["first_delta_sent"] is True
@@ -483,13 +483,11 @@ def test_updates_before_the_end_wait_for_the_next_durable_write() -> None:
         # Attempts, a failure, a retry: nothing needs to be durable yet (three writes per request).
         first = begin(r, "a1", "r1")
         j.update(r)
-        first.handle(ResponseHeaders(200, SSE))
-        failure = first.handle(StreamReset())[0]
-        assert isinstance(failure, Failed)
-        verdict = r.gate.verdict(first, failure, no_compatible_replica=None)
+        fa(r, first, ResponseHeaders(200, SSE))
+        fa(r, first, StreamReset())
+        assert first.failure is not None and isinstance(first.verdict, TriggerRetry)
         j.update(r)
-        first.handle(VerdictReady(verdict))
-        first.handle(FenceProven("connection_closed"))
+        fa(r, first, FenceProven("connection_closed"))
         released(r, "a2", "r2")
         j.update(r)
         await settle()

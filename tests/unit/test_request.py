@@ -17,49 +17,60 @@ import pytest
 
 from router_sidecar.core import views
 from router_sidecar.core.attempt import (
-    Admit,
     Attempt,
     AttemptState,
-    AwaitFence,
-    Failed,
     FailRequest,
     FailureReason,
     FenceProven,
     Input,
     LivenessLost,
-    Refuse,
-    Release,
     ResponseBody,
     ResponseHeaders,
-    SettleLease,
     StreamReset,
-    Supersede,
     Superseded,
     TriggerRetry,
-    VerdictReady,
-    WriteAhead,
     WriteAheadDone,
 )
 from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest, RouteKind, parse_request
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
 from router_sidecar.core.request import (
+    Admitted,
+    AnswerAttempt,
+    AttemptArrived,
+    AwaitFence,
+    ClaimOutcome,
+    ClaimSettled,
+    ClaimState,
+    ClientStream,
+    ContinueRequest,
     DeadlineReached,
     Decision,
     DownstreamLoss,
     DownstreamLost,
     FailNow,
+    ForAttempt,
     Forward,
+    ForwardAttempt,
+    GrantLease,
+    LeaseGranted,
     LogicalRequest,
-    NoAction,
     PassResponse,
     Phase,
     PublisherLost,
+    RefuseAttempt,
+    ReleaseAttempt,
+    ReleaseLease,
     ReplaceResponse,
     ResponseChunk,
     ResponseStarted,
+    StartClaim,
+    StartDeadline,
+    SupersedeAttempt,
     Terminate,
     ToolCallNoted,
+    WatchPublisher,
+    WriteAheadJournal,
 )
 from router_sidecar.core.sse import DONE_EVENT, terminal_error_frame
 
@@ -79,8 +90,19 @@ def parsed(prompt: str = "hi", *, kind: RouteKind = RouteKind.CHAT, stream: bool
     return parse_request(kind, json.dumps(body).encode(), max_body_bytes=1 << 20, known_models=None)
 
 
-def new_request(policy: Policy = DEFAULT_POLICY, prompt: str = "hi", **kw: Any) -> LogicalRequest:
-    return LogicalRequest(request_id=RID, tenant="t1", parsed=parsed(prompt, **kw), policy=policy)
+def new_request(
+    policy: Policy = DEFAULT_POLICY, prompt: str = "hi", *, claimed: bool = True, **kw: Any
+) -> LogicalRequest:
+    """An admitted request (forwarded); `claimed`: its journal claim came back granted."""
+    request = LogicalRequest(request_id=RID, tenant="t1", parsed=parsed(prompt, **kw), policy=policy)
+    assert request.handle(Admitted()) == [
+        StartClaim(patient=True),
+        StartDeadline(policy.deadlines.request_seconds),
+        ContinueRequest(),
+    ]
+    if claimed:
+        assert settle_claim(request) == []
+    return request
 
 
 def chunk(
@@ -154,12 +176,39 @@ def random_chunks(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-# --- the upstream side of the story, through the attempt machine and the gate ---------------------------
+# --- the upstream side of the story, through the request machine, as the shells feed it -----------------
+
+
+def settle_claim(request: LogicalRequest, outcome: ClaimOutcome = ClaimOutcome.GRANTED) -> list[Decision]:
+    """The journal claim of the request's id came back (as `Live` feeds it)."""
+    return request.handle(ClaimSettled(outcome))
+
+
+def arrive(request: LogicalRequest, attempt_id: str, replica: str = "r1") -> list[Decision]:
+    """Envoy started an attempt: what the request answers its stream (admit, hold, refuse)."""
+    return request.handle(AttemptArrived(attempt_id, replica))
+
+
+def grant(request: LogicalRequest, attempt_id: str) -> list[Decision]:
+    return request.handle(LeaseGranted(attempt_id, lease=None, ttl_seconds=10, replica_side=False))
 
 
 def begin(request: LogicalRequest, attempt_id: str = "att-1", replica: str = "r1") -> Attempt:
-    assert request.gate.admit() == Admit()
-    return request.gate.begin(attempt_id, replica)
+    """An attempt admitted and forwarded (its lease granted), its request admitted and its claim settled."""
+    if request.client is ClientStream.RECEIVED:
+        request.handle(Admitted())
+    if request.claim is ClaimState.PENDING:
+        settle_claim(request)
+    assert arrive(request, attempt_id, replica) == [GrantLease(attempt_id, replica)]
+    assert grant(request, attempt_id) == [ForwardAttempt(attempt_id)]
+    attempt = request.attempt(attempt_id)
+    assert attempt is not None
+    return attempt
+
+
+def fa(request: LogicalRequest, attempt: Attempt, event: Input) -> list[Decision]:
+    """An input of one attempt, fed through its request (as the upstream shell and the effects do)."""
+    return request.handle(ForAttempt(attempt.attempt_id, event))
 
 
 def released(
@@ -171,36 +220,52 @@ def released(
     stream: bool = True,
 ) -> Attempt:
     """An attempt that wrote ahead and released (at its first delta, or a generation without content)."""
-    attempt = begin(request, attempt_id, replica)
+    return release(request, begin(request, attempt_id, replica), content=content, stream=stream)
+
+
+def release(
+    request: LogicalRequest, attempt: Attempt, *, content: bool = True, stream: bool = True
+) -> Attempt:
+    """A forwarded attempt's response: held, its first delta written ahead, released."""
+    attempt_id = attempt.attempt_id
     if stream:
-        assert attempt.handle(ResponseHeaders(200, SSE)) == []
+        assert fa(request, attempt, ResponseHeaders(200, SSE)) == []
         body, eos = (ROLE + C1, False) if content else (ROLE + FINISH + DONE_EVENT, True)
     else:
-        assert attempt.handle(ResponseHeaders(200, JSON)) == []
+        assert fa(request, attempt, ResponseHeaders(200, JSON)) == []
         body, eos = b"{}", True
-    assert attempt.handle(ResponseBody(body, eos)) == [WriteAhead()]
-    assert attempt.handle(WriteAheadDone()) == [Release(1)]
+    assert fa(request, attempt, ResponseBody(body, eos)) == [WriteAheadJournal(attempt_id)]
+    watch = [WatchPublisher(attempt_id)] if content else []
+    assert fa(request, attempt, WriteAheadDone()) == [ReleaseAttempt(attempt_id, 1), *watch]
     assert request.publisher is attempt
     return attempt
 
 
 def failed(request: LogicalRequest, *inputs: Input, attempt_id: str = "att-1") -> TriggerRetry | FailRequest:
-    """An attempt that fails; its verdict is answered and its closed connection settles its lease."""
+    """An attempt that fails; its verdict is given and its closed connection settles its lease."""
     attempt = begin(request, attempt_id)
-    decisions = [d for event in inputs or (StreamReset(),) for d in attempt.handle(event)]
-    failure = next(d for d in decisions if isinstance(d, Failed))
-    verdict = request.gate.verdict(attempt, failure, no_compatible_replica=None)
-    attempt.handle(VerdictReady(verdict))
-    attempt.handle(FenceProven("connection_closed"))
-    return verdict
+    for event in inputs or (StreamReset(),):
+        fa(request, attempt, event)
+    assert attempt.state is AttemptState.DECIDED and attempt.verdict is not None
+    fa(request, attempt, FenceProven("connection_closed"))
+    assert attempt.fenced
+    return attempt.verdict
 
 
 def started(request: LogicalRequest, status: int = 200, ctype: str = SSE) -> None:
-    assert request.handle(ResponseStarted(status, ctype)) == PassResponse()
+    assert request.handle(ResponseStarted(status, ctype)) == [PassResponse()]
 
 
-def feed(request: LogicalRequest, chunks: list[bytes], *, eos_last: bool = True) -> list[Decision]:
-    return [request.handle(ResponseChunk(c, eos_last and i == len(chunks) - 1)) for i, c in enumerate(chunks)]
+def one(decisions: list[Decision]) -> Decision | None:
+    """The client filter's reply to one chunk: at most one decision (None: nothing goes to the client)."""
+    assert len(decisions) <= 1, decisions
+    return decisions[0] if decisions else None
+
+
+def feed(request: LogicalRequest, chunks: list[bytes], *, eos_last: bool = True) -> list[Decision | None]:
+    return [
+        one(request.handle(ResponseChunk(c, eos_last and i == len(chunks) - 1))) for i, c in enumerate(chunks)
+    ]
 
 
 def names(request: LogicalRequest) -> list[str]:
@@ -244,8 +309,8 @@ def test_failures_before_first_delta(
     policy: Policy, prompt: str, max_attempts: int, retry_allowed: bool, code: str
 ) -> None:
     request = new_request(policy, prompt)
-    assert request.gate.max_attempts == max_attempts
-    assert (request.gate.retry_blocked is None) is retry_allowed
+    assert request.max_attempts == max_attempts
+    assert (request.retry_blocked is None) is retry_allowed
     assert request.drain_events()[0].detail["retry_allowed"] is retry_allowed
     assert views.journal_view(request)["retry_budget"] == max_attempts
     verdict: TriggerRetry | FailRequest | None = None
@@ -261,7 +326,7 @@ def test_failures_before_first_delta(
         assert "cost cap" in verdict.message
     assert request.phase is Phase.FAILED
     assert request.outcome == Outcome(code)
-    assert request.gate.admit() == Refuse(verdict)
+    assert arrive(request, "att-late") == [RefuseAttempt("att-late", verdict)]
     err = json.loads(views.error_body(request, verdict))["error"]
     assert (err["code"], err["request_id"], err["partial_output"]) == (code, RID, False)
     assert [(a["attempt"], a["outcome"], a["detail"]) for a in err["attempts"]] == [
@@ -283,8 +348,8 @@ def test_released_attempt_cannot_fail_into_a_retry() -> None:
     started(request)
     feed(request, [ROLE + C1], eos_last=False)
     assert request.phase is Phase.DECODE
-    assert attempt.handle(StreamReset()) == []
-    assert attempt.handle(LivenessLost("heartbeat_lapsed")) == []
+    assert fa(request, attempt, StreamReset()) == []
+    assert fa(request, attempt, LivenessLost("heartbeat_lapsed")) == []
     assert (attempt.state, request.retry_budget, request.first_delta_sent) == (AttemptState.RELEASED, 0, True)
 
 
@@ -460,7 +525,7 @@ def test_non_streamed_answer(name: str, kind: RouteKind) -> None:
     data = (REFERENCE / name).read_bytes()
     request = new_request(kind=kind, stream=False)
     released(request, stream=False)
-    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    assert request.handle(ResponseStarted(200, JSON)) == [PassResponse()]
     assert request.phase is Phase.DECODE  # delivered whole, as one delta
     assert feed(request, [data[:100], data[100:]]) == [Forward(data[:100], False), Forward(data[100:], True)]
     assert (request.phase, request.outcome) == (Phase.COMPLETED, Outcome.COMPLETED)
@@ -479,7 +544,7 @@ def test_non_stream_usage_from_its_tail_whatever_its_size(where: str) -> None:
     assert len(data) > 400_000
     request = new_request(stream=False)
     released(request, stream=False)
-    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    assert request.handle(ResponseStarted(200, JSON)) == [PassResponse()]
     chunks = [data[i : i + 16384] for i in range(0, len(data), 16384)]
     decisions = feed(request, chunks)
     assert b"".join(d.data for d in decisions if isinstance(d, Forward)) == data
@@ -497,7 +562,7 @@ def test_non_stream_answer_cut_short_by_the_engine_is_interrupted() -> None:
     assert b'"abort"' in data
     request = new_request(stream=False)
     released(request, stream=False)
-    assert request.handle(ResponseStarted(200, JSON)) == PassResponse()
+    assert request.handle(ResponseStarted(200, JSON)) == [PassResponse()]
     request.drain_events()
     chunks = [data[:200], data[200:]]
     assert feed(request, chunks) == [Forward(chunks[0], False), Forward(chunks[1], True)]
@@ -588,10 +653,11 @@ def test_terminate_after_first_delta(
     assert [e.name for e in events] == [EventName.STREAM_TERMINATED]
     assert events[0].detail["delivered_output_tokens"] == n
     # Nothing after a Terminate is forwarded, whatever the upstream still sends.
-    assert request.handle(ResponseChunk(C3 + DONE_EVENT, False)) == Forward(b"", False)
-    assert request.handle(ResponseChunk(C3, True)) == Forward(b"", True)
-    assert request.handle(DeadlineReached()) == NoAction()
-    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, False)) == [Forward(b"", False)]
+    assert request.handle(ResponseChunk(C3, True)) == [Forward(b"", True)]
+    assert request.handle(DeadlineReached()) == []
+    # A loss noted after the end only lets the lease go (once).
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == [ReleaseLease("att-1", None)]
     request.handle(DownstreamLost(DownstreamLoss.UPSTREAM_RESET))
     assert (request.phase, request.delivered_output_tokens, request.drain_events()) == (
         Phase.INTERRUPTED,
@@ -627,7 +693,7 @@ def _one_retry_refused(request: LogicalRequest) -> None:
 
 
 def _one_held(request: LogicalRequest) -> None:
-    begin(request).handle(ResponseHeaders(200, SSE))
+    fa(request, begin(request), ResponseHeaders(200, SSE))
 
 
 def _none(request: LogicalRequest) -> None:
@@ -698,9 +764,9 @@ def test_response_of_no_released_attempt_is_replaced(
     request.drain_events()
     attempts = len(request.attempts)
     started_ = ResponseStarted(503, "text/plain", frozenset(flags), details, no_compatible_replica=why)
-    decision = request.handle(started_)
-    assert isinstance(decision, ReplaceResponse)
-    verdict = decision.verdict
+    [decision] = request.handle(started_)
+    assert isinstance(decision, ReplaceResponse) and isinstance(decision.error, FailRequest)
+    verdict = decision.error
     assert (verdict.status, verdict.code) == (status, code)
     assert f"response flags {','.join(sorted(flags)) or 'none'}" in verdict.message
     if why is not None:
@@ -708,11 +774,11 @@ def test_response_of_no_released_attempt_is_replaced(
     # The response it starts never reaches the client: every chunk is dropped.
     assert (
         feed(request, [b"upstream connect error or disconnect/reset before headers", b"", ERROR])
-        == [NoAction()] * 3
+        == [None] * 3
     )
     assert (request.phase, request.outcome) == (Phase.FAILED, code)
-    assert request.gate.final is verdict
-    assert request.gate.admit() == Refuse(verdict)
+    assert request.final is verdict
+    assert arrive(request, "att-late") == [RefuseAttempt("att-late", verdict)]
     events = request.drain_events()
     assert [e.name for e in events] == [
         EventName.RESPONSE_REPLACED,
@@ -726,7 +792,7 @@ def test_response_of_no_released_attempt_is_replaced(
     body = json.loads(views.error_body(request, verdict))["error"]
     assert (body["code"], body["request_id"], body["partial_output"]) == (code.value, RID, False)
     # Later inputs change nothing.
-    assert request.handle(DeadlineReached()) == NoAction()
+    assert request.handle(DeadlineReached()) == []
     request.handle(DownstreamLost(DownstreamLoss.CLIENT_GONE))
     assert (request.phase, request.outcome, request.drain_events()) == (Phase.FAILED, code, [])
 
@@ -739,11 +805,11 @@ def test_our_own_error_from_the_upstream_filter(details: str) -> None:
     verdict = failed(request, ResponseHeaders(503, JSON))
     assert isinstance(verdict, FailRequest) and request.phase is Phase.FAILED
     request.drain_events()
-    decision = request.handle(ResponseStarted(502, JSON, details=details))
+    [decision] = request.handle(ResponseStarted(502, JSON, details=details))
     body = views.error_body(request, verdict)
     if isinstance(decision, ReplaceResponse):
-        assert decision.verdict is verdict
-        assert feed(request, [body]) == [NoAction()]
+        assert decision.error is verdict
+        assert feed(request, [body]) == [None]
     else:
         assert decision == PassResponse()
         assert feed(request, [body]) == [Forward(body, True)]
@@ -757,12 +823,17 @@ def test_released_attempt_whose_release_never_reached_the_client() -> None:
     request = new_request()
     first = released(request)
     request.drain_events()
-    decision = request.handle(ResponseStarted(503, "text/plain", frozenset({"UC"}), _RESET_DETAILS))
-    assert isinstance(decision, ReplaceResponse)
-    assert (decision.verdict.status, decision.verdict.code) == (502, Outcome.RETRIES_EXHAUSTED)
-    assert feed(request, [b"upstream connect error or disconnect/reset before headers"]) == [NoAction()]
+    decisions = request.handle(ResponseStarted(503, "text/plain", frozenset({"UC"}), _RESET_DETAILS))
+    # Its lease settles: the closed connection fences it (nothing of it reached the client).
+    assert decisions[1:] == [ReleaseLease(first.attempt_id, "connection_closed")]
+    decision = decisions[0]
+    assert isinstance(decision, ReplaceResponse) and isinstance(decision.error, FailRequest)
+    assert (decision.error.status, decision.error.code) == (502, Outcome.RETRIES_EXHAUSTED)
+    assert feed(request, [b"upstream connect error or disconnect/reset before headers"]) == [None]
     assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.RETRIES_EXHAUSTED)
-    assert (first.state, first.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    # It gets the request's own error as its verdict (nothing to answer: its stream is gone).
+    assert (first.state, first.failure) == (AttemptState.DECIDED, FailureReason.LOST_BEFORE_RELEASE)
+    assert first.verdict is decision.error
     assert request.first_delta_sent is False
     assert request.publisher is None
     view = views.journal_view(request)
@@ -780,27 +851,29 @@ def test_attempt_writing_ahead_when_envoy_answered_itself_is_never_released() ->
     # Envoy answered the client itself. The write-ahead finishing afterwards must not release that attempt,
     # or the journal would say first_delta_sent although the client got only the JSON error.
     request = new_request()
-    begin(request, "att-1", "r1")
-    attempt = request.attempts[0]
-    assert attempt.handle(ResponseHeaders(200, SSE)) == []
-    assert attempt.handle(ResponseBody(ROLE + C1, False)) == [WriteAhead()]
+    attempt = begin(request, "att-1", "r1")
+    assert fa(request, attempt, ResponseHeaders(200, SSE)) == []
+    assert fa(request, attempt, ResponseBody(ROLE + C1, False)) == [WriteAheadJournal("att-1")]
     assert request.first_delta_sent is True  # the write-ahead says it may have been delivered
     request.drain_events()
     details = "upstream_reset_before_response_started{protocol_error}"
-    decision = request.handle(ResponseStarted(502, "text/plain", frozenset({"UPE", "URX"}), details))
-    assert isinstance(decision, ReplaceResponse)
-    assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    decisions = request.handle(ResponseStarted(502, "text/plain", frozenset({"UPE", "URX"}), details))
+    assert isinstance(decisions[0], ReplaceResponse)
+    assert decisions[1:] == [ReleaseLease("att-1", "connection_closed")]
+    assert attempt.state in (AttemptState.FAILED, AttemptState.DECIDED)
+    assert attempt.failure is FailureReason.LOST_BEFORE_RELEASE
     assert (request.first_delta_sent, request.phase) == (False, Phase.FAILED)
-    # The shell feeds WriteAheadDone only to an attempt still writing ahead: this one no longer is.
-    assert attempt.state is not AttemptState.WRITING_AHEAD
+    # The write-ahead finishing now releases nothing: the attempt is no longer writing ahead.
+    assert fa(request, attempt, WriteAheadDone()) == []
+    assert (request.first_delta_sent, request.publisher) == (False, None)
     assert views.journal_view(request)["first_delta_sent"] is False
 
 
 def test_passed_through_4xx_is_forwarded_as_is() -> None:
     request = new_request()
     attempt = begin(request)
-    assert attempt.handle(ResponseHeaders(400, JSON)) == [Release(0)]
-    assert request.handle(ResponseStarted(400, JSON)) == PassResponse()
+    assert fa(request, attempt, ResponseHeaders(400, JSON)) == [ReleaseAttempt(attempt.attempt_id, 0)]
+    assert request.handle(ResponseStarted(400, JSON)) == [PassResponse()]
     body = (REFERENCE / "err_bad_json.txt").read_bytes()
     assert feed(request, [body]) == [Forward(body, True)]
     assert request.phase is Phase.FAILED
@@ -817,14 +890,14 @@ def test_deadline_before_any_response(setup: Callable[[LogicalRequest], None]) -
     request = new_request()
     setup(request)
     request.drain_events()
-    decision = request.handle(DeadlineReached())
-    assert isinstance(decision, FailNow)
-    assert (decision.verdict.status, decision.verdict.code) == (504, Outcome.DEADLINE_EXCEEDED)
-    assert "deadlines.request_seconds" in decision.verdict.message
+    [decision] = request.handle(DeadlineReached())
+    assert isinstance(decision, FailNow) and isinstance(decision.error, FailRequest)
+    assert (decision.error.status, decision.error.code) == (504, Outcome.DEADLINE_EXCEEDED)
+    assert "deadlines.request_seconds" in decision.error.message
     assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.DEADLINE_EXCEEDED)
-    assert request.gate.admit() == Refuse(decision.verdict)
+    assert arrive(request, "att-late") == [RefuseAttempt("att-late", decision.error)]
     assert names(request) == ["retry_refused", "request_failed"]
-    assert request.handle(DeadlineReached()) == NoAction()
+    assert request.handle(DeadlineReached()) == []
 
 
 def test_deadline_after_the_first_delta() -> None:
@@ -833,7 +906,7 @@ def test_deadline_after_the_first_delta() -> None:
     started(request)
     assert feed(request, [ROLE + C1, C2], eos_last=False) == [Forward(ROLE + C1, False), Forward(C2, False)]
     request.drain_events()
-    decision = request.handle(DeadlineReached())
+    [decision] = request.handle(DeadlineReached())
     assert isinstance(decision, Terminate)
     err = check_one_terminal_frame(ROLE + C1 + C2 + decision.data, 2)
     assert "deadlines.request_seconds = 300 s" in err["message"]
@@ -852,7 +925,7 @@ def test_deadline_after_the_end() -> None:
     started(request)
     feed(request, [ROLE + C1 + FINISH + DONE_EVENT])
     request.drain_events()
-    assert request.handle(DeadlineReached()) == NoAction()
+    assert request.handle(DeadlineReached()) == []
     assert (request.phase, request.outcome, request.drain_events()) == (
         Phase.COMPLETED,
         Outcome.COMPLETED,
@@ -870,7 +943,9 @@ def test_publisher_lost_after_the_first_delta(cause: str) -> None:
     started(request)
     feed(request, [ROLE + C1], eos_last=False)
     request.drain_events()
-    decision = request.handle(PublisherLost(cause))
+    # No retry follows: its lease is let go at once (no proof to wait for), and the stream ends.
+    revoke, decision = request.handle(PublisherLost(cause))
+    assert revoke == ReleaseLease("att-1", None)
     assert isinstance(decision, Terminate)
     err = check_one_terminal_frame(ROLE + C1 + decision.data, 1)
     assert {"heartbeat_lapsed": "heartbeat", "progress_gap": "stopped arriving", "lease_lost": "lease"}[
@@ -883,20 +958,21 @@ def test_publisher_lost_after_the_first_delta(cause: str) -> None:
         (EventName.STREAM_TERMINATED, None),
     ]
     assert events[0].detail == {"cause": cause}
-    assert request.handle(ResponseChunk(C2, False)) == Forward(b"", False)
+    assert request.handle(ResponseChunk(C2, False)) == [Forward(b"", False)]
 
 
 def test_publisher_lost_before_the_first_delta_or_after_the_end() -> None:
     request = new_request()
     begin(request)
-    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == []
     assert request.phase is Phase.PREFILL
     done = new_request()
     released(done)
     started(done)
     feed(done, [ROLE + C1 + FINISH + DONE_EVENT])
     done.drain_events()
-    assert done.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
+    assert done.handle(PublisherLost("heartbeat_lapsed")) == [ReleaseLease("att-1", None)]
+    assert done.handle(PublisherLost("lease_lost")) == []  # let go once
     assert (done.phase, done.drain_events()) == (Phase.COMPLETED, [])
 
 
@@ -910,13 +986,13 @@ def test_publisher_lost_while_its_release_is_on_its_way(headers_first: bool) -> 
     if headers_first:
         started(request)
     request.drain_events()
-    assert request.handle(PublisherLost("heartbeat_lapsed")) == NoAction()
-    assert request.handle(PublisherLost("lease_lost")) == NoAction()  # noted once
+    assert request.handle(PublisherLost("heartbeat_lapsed")) == [ReleaseLease("att-1", None)]
+    assert request.handle(PublisherLost("lease_lost")) == []  # noted once
     assert request.phase is Phase.PREFILL
     if not headers_first:
         started(request)
-    assert request.handle(ResponseChunk(ROLE, False)) == Forward(ROLE, False)  # no content yet
-    decision = request.handle(ResponseChunk(C1 + C2, False))
+    assert request.handle(ResponseChunk(ROLE, False)) == [Forward(ROLE, False)]  # no content yet
+    [decision] = request.handle(ResponseChunk(C1 + C2, False))
     assert isinstance(decision, Terminate)
     err = check_one_terminal_frame(ROLE + decision.data, 2)
     assert "heartbeat" in err["message"]
@@ -929,7 +1005,7 @@ def test_publisher_lost_while_its_release_is_on_its_way(headers_first: bool) -> 
         (EventName.REPLICA_LOST, 1),
         (EventName.STREAM_TERMINATED, None),
     ]
-    assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == Forward(b"", True)
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == [Forward(b"", True)]
 
 
 def test_a_loss_noted_for_one_attempt_never_ends_a_later_attempts_stream() -> None:
@@ -938,13 +1014,18 @@ def test_a_loss_noted_for_one_attempt_never_ends_a_later_attempts_stream() -> No
     request = new_request()
     first = released(request)
     request.handle(PublisherLost("heartbeat_lapsed"))
-    assert first.handle(Superseded()) != []  # Envoy started attempt 2: the release never reached it
-    first.handle(FenceProven("connection_closed"))
-    assert request.gate.admit() == Admit()
-    released(request, "att-2", "r2")
+    # Envoy started attempt 2: the release never reached it.
+    assert arrive(request, "att-2", "r2") == [SupersedeAttempt("att-1")]
+    superseded = fa(request, first, Superseded())
+    assert superseded == [ReleaseLease("att-1", "connection_closed"), AwaitFence("att-1", 15)]
+    assert fa(request, first, FenceProven("connection_closed")) == [GrantLease("att-2", "r2")]
+    assert grant(request, "att-2") == [ForwardAttempt("att-2")]
+    second = request.attempt("att-2")
+    assert second is not None
+    release(request, second)
     started(request)
     whole = ROLE + C1 + C2 + FINISH + DONE_EVENT
-    assert request.handle(ResponseChunk(whole, True)) == Forward(whole, True)
+    assert request.handle(ResponseChunk(whole, True)) == [Forward(whole, True)]
     assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 2)
 
 
@@ -955,7 +1036,7 @@ def test_publisher_lost_while_its_whole_answer_is_on_its_way() -> None:
     request.handle(PublisherLost("heartbeat_lapsed"))
     started(request)
     whole = ROLE + C1 + FINISH + DONE_EVENT
-    assert request.handle(ResponseChunk(whole, True)) == Forward(whole, True)
+    assert request.handle(ResponseChunk(whole, True)) == [Forward(whole, True)]
     assert (request.phase, request.outcome, request.delivered_output_tokens) == (
         Phase.COMPLETED,
         Outcome.COMPLETED,
@@ -1075,7 +1156,7 @@ def test_downstream_lost(
     request = new_request()
     setup(request)
     request.drain_events()
-    assert request.handle(DownstreamLost(cause)) == NoAction()
+    assert request.handle(DownstreamLost(cause)) == []
     assert (request.phase, request.outcome, request.delivered_output_tokens) == (phase, outcome, n)
     events = request.drain_events()
     if event is None:
@@ -1095,13 +1176,15 @@ def test_upstream_reset_before_any_headers_reached_the_client(release: bool) -> 
     # Envoy answered the client itself (a reset it does not retry) while our release was on its way.
     request = new_request()
     attempt = begin(request)
-    attempt.handle(ResponseHeaders(200, SSE))
-    attempt.handle(ResponseBody(ROLE + C1, False))
+    fa(request, attempt, ResponseHeaders(200, SSE))
+    fa(request, attempt, ResponseBody(ROLE + C1, False))
     if release:
-        attempt.handle(WriteAheadDone())
+        fa(request, attempt, WriteAheadDone())
     assert request.first_delta_sent is True
     request.drain_events()
-    assert request.handle(DownstreamLost(DownstreamLoss.UPSTREAM_RESET)) == NoAction()
+    # Its lease settles (the closed connection fences it); the request is over, so no verdict is asked.
+    lost = request.handle(DownstreamLost(DownstreamLoss.UPSTREAM_RESET))
+    assert lost == [ReleaseLease("att-1", "connection_closed")]
     assert (request.phase, request.outcome) == (Phase.FAILED, Outcome.UPSTREAM_ERROR)
     assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
     assert request.first_delta_sent is False  # nothing of it reached the client: the id may be re-run
@@ -1123,21 +1206,19 @@ def test_released_attempt_superseded_before_its_release_reached_the_router() -> 
     assert request.first_delta_sent is True
     assert views.journal_view(request)["first_delta_sent"] is True
     request.drain_events()
-    admission = request.gate.admit()
-    assert isinstance(admission, Supersede) and admission.attempt is first
-    decisions = first.handle(Superseded())
-    failure = decisions[0]
-    assert isinstance(failure, Failed) and decisions[1:] == [SettleLease("connection_closed")]
-    assert (first.state, first.failure) == (AttemptState.FAILED, FailureReason.LOST_BEFORE_RELEASE)
+    assert arrive(request, "att-2", "r2") == [SupersedeAttempt("att-1")]
+    decisions = fa(request, first, Superseded())
+    # Its lease settles on the closed connection; the next attempt waits for that proof.
+    assert decisions == [ReleaseLease("att-1", "connection_closed"), AwaitFence("att-1", 15)]
+    assert (first.state, first.failure) == (AttemptState.DECIDED, FailureReason.LOST_BEFORE_RELEASE)
+    assert first.verdict == TriggerRetry("lost_before_release")
     assert request.first_delta_sent is False
     assert request.publisher is None
     assert request.phase is Phase.PREFILL
-    assert request.gate.verdict(first, failure, no_compatible_replica=None) == TriggerRetry(
-        "lost_before_release"
-    )
-    assert isinstance(request.gate.admit(), AwaitFence)
-    first.handle(FenceProven("connection_closed"))
-    second = begin(request, "att-2", "r2")
+    assert fa(request, first, FenceProven("connection_closed")) == [GrantLease("att-2", "r2")]
+    assert grant(request, "att-2") == [ForwardAttempt("att-2")]
+    second = request.attempt("att-2")
+    assert second is not None
     events = request.drain_events()
     assert [(e.name, e.attempt) for e in events] == [
         (EventName.ATTEMPT_FAILED, 1),
@@ -1152,9 +1233,7 @@ def test_released_attempt_superseded_before_its_release_reached_the_router() -> 
         (2, "awaiting_headers", None),
     ]
     # The second attempt then delivers normally.
-    second.handle(ResponseHeaders(200, SSE))
-    second.handle(ResponseBody(ROLE + C1, False))
-    assert second.handle(WriteAheadDone()) == [Release(1)]
+    release(request, second)
     started(request)
     feed(request, [ROLE + C1 + FINISH + DONE_EVENT])
     assert (request.phase, request.first_delta_sent, request.delivered_output_tokens) == (
@@ -1167,13 +1246,12 @@ def test_released_attempt_superseded_before_its_release_reached_the_router() -> 
 def test_unreported_attempt_is_marked_lost_when_the_next_begins() -> None:
     request = new_request()
     first = begin(request)
-    admission = request.gate.admit()
-    assert isinstance(admission, Supersede) and admission.attempt is first
-    assert first.handle(Superseded()) == [
-        Failed(FailureReason.CONNECTION_LOST),
-        SettleLease("connection_closed"),
+    assert arrive(request, "att-2", "r2") == [SupersedeAttempt("att-1")]
+    assert fa(request, first, Superseded()) == [
+        ReleaseLease("att-1", "connection_closed"),
+        AwaitFence("att-1", 15),
     ]
-    assert first.state is AttemptState.FAILED
+    assert (first.state, first.failure) == (AttemptState.DECIDED, FailureReason.CONNECTION_LOST)
     assert request.first_delta_sent is False
 
 
@@ -1217,7 +1295,7 @@ def test_first_delta_sent_is_derived(inputs: list[Input], sent: bool) -> None:
     request = new_request()
     attempt = begin(request)
     for event in inputs:
-        attempt.handle(event)
+        fa(request, attempt, event)
     assert request.first_delta_sent is sent
     assert views.journal_view(request)["first_delta_sent"] is sent
 
@@ -1238,8 +1316,7 @@ def test_tool_calls_beyond_the_cap_are_counted_not_listed() -> None:
     request = new_request(policy)
     request.drain_events()
     for key in ("k1", "k2", "k3", "k4"):
-        decision = request.handle(ToolCallNoted(EventName.TOOL_CALL_CLAIMED, key, 1, {"status": 200}))
-        assert decision == NoAction()
+        assert request.handle(ToolCallNoted(EventName.TOOL_CALL_CLAIMED, key, 1, {"status": 200})) == []
     for _ in range(20):
         request.handle(ToolCallNoted(EventName.TOOL_CALL_REPLAYED, "k1", 1))
     request.handle(ToolCallNoted(EventName.TOOL_CALL_EXECUTED, "k3", 1))  # not listed: still not listed
@@ -1266,15 +1343,15 @@ def test_event_names_retry_then_complete() -> None:
     request = new_request()
     assert failed(request, ResponseHeaders(200, SSE), StreamReset()) == TriggerRetry("connection_lost")
     second = begin(request, "att-2", "r2")
-    second.handle(ResponseHeaders(200, SSE))
+    fa(request, second, ResponseHeaders(200, SSE))
     data = (REFERENCE / "chat_stream_usage.sse").read_bytes()
     chunks = random_chunks(data, random.Random(1))
     held = 0
     for c in chunks:
         held += 1
-        if second.handle(ResponseBody(c, False)):
+        if fa(request, second, ResponseBody(c, False)):
             break
-    assert second.handle(WriteAheadDone()) == [Release(held)]
+    assert fa(request, second, WriteAheadDone()) == [ReleaseAttempt("att-2", held), WatchPublisher("att-2")]
     started(request)
     assert b"".join(d.data for d in feed(request, chunks) if isinstance(d, Forward)) == data
     events = request.drain_events()
@@ -1305,7 +1382,11 @@ def test_a_malformed_event_before_any_content_fails_the_attempt(payload: bytes) 
     # (found by the hostile replica's garbage when the write-ahead beat the replica's close).
     r = new_request()
     attempt = begin(r, "a1", "r1")
-    attempt.handle(ResponseHeaders(200, SSE))
-    decisions = attempt.handle(ResponseBody(payload, False))
-    assert [type(d).__name__ for d in decisions] == ["Failed"]
+    fa(r, attempt, ResponseHeaders(200, SSE))
+    # Failed: retried (the verdict answers the held headers, whose closed connection fences it).
+    decisions = fa(r, attempt, ResponseBody(payload, False))
+    assert decisions == [
+        ReleaseLease("a1", "connection_closed"),
+        AnswerAttempt("a1", TriggerRetry("malformed_event"), 1),
+    ]
     assert attempt.failure is FailureReason.MALFORMED_EVENT and not attempt.first_delta

@@ -1,98 +1,123 @@
-"""The logical request's retry gate: admit → Admit / Supersede / AwaitFence / Refuse; verdict → retry or fail.
+"""The logical request's retry gate, driven only through `LogicalRequest.handle` (as the shells drive it).
 
-A retry needs budget left, retries not blocked, the previous attempt fenced, a compatible replica, and (after
-uncertain liveness) the policy's `then`. A refusal is final: `on_final` is called once, and every later
-attempt is refused with the same answer.
+Admission: an attempt Envoy starts is admitted (its lease granted), made to wait (the previous attempt is
+superseded, then fenced; the claim is settled), or refused. Verdict: a failed attempt's fate is another
+attempt or one error for the client. A retry needs budget left, retries not blocked, the previous attempt
+fenced, the claim settled, a compatible replica, and (after uncertain liveness) the policy's `then`. A
+refusal is final: every later attempt is refused with the same answer, and the request ends with it once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from router_sidecar.core.attempt import (
-    Admit,
-    Answer,
     Attempt,
     AttemptState,
-    AwaitFence,
-    Failed,
     FailRequest,
     FailureReason,
     FenceProven,
     FenceUnprovable,
     Input,
     LivenessLost,
-    Refuse,
-    Release,
     ResponseBody,
     ResponseHeaders,
-    RetryGate,
-    SettleLease,
-    StartFence,
     StreamReset,
-    Supersede,
     Superseded,
     TriggerRetry,
-    VerdictReady,
     WriteAheadDone,
 )
-from router_sidecar.core.events import Event, EventName, Outcome
+from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
+from router_sidecar.core.request import (
+    AnswerAttempt,
+    AttemptArrived,
+    AwaitFence,
+    ClaimOutcome,
+    ClaimSettled,
+    Decision,
+    DuplicateRun,
+    FailNow,
+    FenceAttempt,
+    FenceWaitOver,
+    ForAttempt,
+    ForwardAttempt,
+    GrantLease,
+    LeaseGranted,
+    LogicalRequest,
+    PlaceRetry,
+    RefuseAttempt,
+    ReleaseAttempt,
+    ReleaseLease,
+    RetryPlaced,
+    SupersedeAttempt,
+    WriteAheadJournal,
+)
+from tests.unit.test_request import new_request
 
 SSE = "text/event-stream"
+JSON = "application/json"
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+SETTLED = "connection_closed"
+FENCE_WAIT = 15  # the attempt lease's TTL (10 s by default) and 5 s of slack
 
 THREE = policy_from_mapping({"on_upstream_failure": {"before_first_delta": {"max_attempts": 3}}})
 NO_RETRY = policy_from_mapping({"on_upstream_failure": {"before_first_delta": {"action": "fail_request"}}})
 FAIL_AFTER_UNCERTAIN = policy_from_mapping(
     {"on_upstream_failure": {"uncertain_source_liveness": {"then": "fail_request"}}}
 )
+EXPIRY_ONLY = policy_from_mapping(
+    {"on_upstream_failure": {"uncertain_source_liveness": {"wait_for": "lease_expiry"}}}
+)
 
 
-@dataclass
-class Gate:
-    """A gate with what it emitted and every verdict it ended the request with."""
+class G:
+    """A request seen from the upstream side: attempts arrive, get leases, fail, are settled."""
 
-    gate: RetryGate
-    outbox: list[Event] = field(default_factory=list)
-    finals: list[FailRequest] = field(default_factory=list)
+    def __init__(self, policy: Policy = DEFAULT_POLICY, *, claimed: bool = True, prompt: str = "hi") -> None:
+        self.request: LogicalRequest = new_request(policy, prompt, claimed=claimed)
+        self.request.drain_events()
 
-    def start(self, n: int | None = None) -> Attempt:
-        n = n if n is not None else len(self.gate.attempts) + 1
-        assert self.gate.admit() == Admit()
-        return self.gate.begin(f"att-{n}", f"10.0.0.{n}:8000")
+    def handle(self, event: object) -> list[Decision]:
+        return self.request.handle(event)  # type: ignore[arg-type]
+
+    def arrive(self, n: int) -> list[Decision]:
+        return self.handle(AttemptArrived(f"att-{n}", f"10.0.0.{n}:8000"))
+
+    def grant(self, n: int, *, replica_side: bool = False) -> list[Decision]:
+        return self.handle(LeaseGranted(f"att-{n}", lease=None, ttl_seconds=10, replica_side=replica_side))
+
+    def start(self, n: int | None = None, *, replica_side: bool = False) -> Attempt:
+        n = n if n is not None else len(self.request.attempts) + 1
+        assert self.arrive(n) == [GrantLease(f"att-{n}", f"10.0.0.{n}:8000")]
+        assert self.grant(n, replica_side=replica_side) == [ForwardAttempt(f"att-{n}")]
+        attempt = self.request.attempt(f"att-{n}")
+        assert attempt is not None
+        return attempt
+
+    def feed(self, attempt: Attempt, *inputs: Input) -> list[Decision]:
+        return [d for event in inputs for d in self.handle(ForAttempt(attempt.attempt_id, event))]
+
+    def settle(self, attempt: Attempt) -> list[Decision]:
+        """The closed connection's revocation is confirmed (what `ReleaseLease` answers)."""
+        decisions = self.feed(attempt, FenceProven(SETTLED))
+        assert attempt.fenced
+        return decisions
 
     def names(self) -> list[tuple[str, int | None]]:
-        return [(e.name.value, e.attempt) for e in self.outbox]
+        return [(e.name.value, e.attempt) for e in self.request.drain_events()]
 
 
-def new_gate(policy: Policy = DEFAULT_POLICY) -> Gate:
-    outbox: list[Event] = []
-    finals: list[FailRequest] = []
-    return Gate(RetryGate(policy, outbox, finals.append), outbox, finals)
-
-
-def fail(attempt: Attempt, *inputs: Input) -> Failed:
-    """Feed inputs; together they must decide exactly one Failed, which is returned."""
-    decisions = [d for event in inputs for d in attempt.handle(event)]
-    failed = [d for d in decisions if isinstance(d, Failed)]
-    assert len(failed) == 1, decisions
-    return failed[0]
-
-
-def fail_503(attempt: Attempt) -> Failed:
-    return fail(attempt, ResponseHeaders(503, "application/json"))
-
-
-def settle(attempt: Attempt, verdict: TriggerRetry | FailRequest) -> None:
-    """The shell's side: answer the verdict, then the closed connection's settlement is confirmed."""
-    decisions = attempt.handle(VerdictReady(verdict))
-    assert SettleLease("connection_closed") in decisions or attempt.fence is not None
-    attempt.handle(FenceProven("connection_closed"))
-    assert attempt.fenced or attempt.fence is not None
+def fail_503(g: G, attempt: Attempt) -> TriggerRetry | FailRequest:
+    """The replica answers 503: the attempt fails, its verdict answers the held headers at once."""
+    decisions = g.feed(attempt, ResponseHeaders(503, JSON))
+    assert attempt.verdict is not None
+    assert decisions == [
+        ReleaseLease(attempt.attempt_id, SETTLED),
+        AnswerAttempt(attempt.attempt_id, attempt.verdict, 0),
+    ]
+    return attempt.verdict
 
 
 # --- the budget ---------------------------------------------------------------------------------------
@@ -104,125 +129,154 @@ def settle(attempt: Attempt, verdict: TriggerRetry | FailRequest) -> None:
     ids=["default", "three", "none"],
 )
 def test_attempts_up_to_the_budget_then_one_final_error(policy: Policy, max_attempts: int) -> None:
-    g = new_gate(policy)
-    assert g.gate.max_attempts == max_attempts
-    assert g.gate.retries_left == max_attempts
+    g = G(policy)
+    assert g.request.max_attempts == max_attempts
+    assert g.request.retry_budget == max_attempts
     verdict: TriggerRetry | FailRequest | None = None
     for n in range(1, max_attempts + 1):
         attempt = g.start()
         assert (attempt.number, attempt.attempt_id, attempt.replica) == (n, f"att-{n}", f"10.0.0.{n}:8000")
-        assert g.gate.retries_left == max_attempts - n
-        failed = fail_503(attempt)
-        verdict = g.gate.verdict(attempt, failed, no_compatible_replica=None)
+        assert g.request.retry_budget == max_attempts - n
+        verdict = fail_503(g, attempt)
         if n < max_attempts:
             assert verdict == TriggerRetry("upstream_status")
-            assert g.finals == []
-        settle(attempt, verdict)
+            assert g.request.final is None
+        g.settle(attempt)
     assert isinstance(verdict, FailRequest)
     assert (verdict.status, verdict.code, verdict.retry_after) == (502, Outcome.RETRIES_EXHAUSTED, None)
     assert f"all {max_attempts} attempts failed" in verdict.message
     assert "upstream_status" in verdict.message  # the last attempt's failure is named
-    assert g.finals == [verdict]
-    assert g.gate.final is verdict
-    assert g.gate.retries_left == 0
-    assert g.gate.admit() == Refuse(verdict)
+    assert g.request.final is verdict
+    assert (g.request.phase.value, g.request.outcome) == ("failed", Outcome.RETRIES_EXHAUSTED)
+    assert g.request.retry_budget == 0
+    assert g.arrive(9) == [RefuseAttempt("att-9", verdict)]
     expected: list[tuple[str, int | None]] = []
     for n in range(1, max_attempts + 1):
         expected += [("attempt_started", n), ("attempt_failed", n)]
         expected.append(("retry_triggered", n) if n < max_attempts else ("retry_refused", n))
-    assert g.names() == expected
-    assert g.outbox[-1].detail == {"reason": "retries_exhausted"}
-    assert g.outbox[0].detail == {"attempt_id": "att-1", "replica": "10.0.0.1:8000"}
+    assert g.names() == [*expected, ("request_failed", None)]
 
 
-def test_retry_reason_is_the_failure() -> None:
-    for inputs, reason in [
+@pytest.mark.parametrize(
+    ("inputs", "reason"),
+    [
         ((StreamReset(),), "connection_lost"),
         ((ResponseHeaders(200, SSE), ResponseBody(b"", True)), "ended_without_done"),
         ((ResponseHeaders(200, SSE, content_encoding="gzip"),), "content_encoding"),
-    ]:
-        g = new_gate()
-        attempt = g.start()
-        assert g.gate.verdict(attempt, fail(attempt, *inputs), no_compatible_replica=None) == TriggerRetry(
-            reason
-        )
-        assert g.outbox[-1] == Event(EventName.RETRY_TRIGGERED, 1, {"reason": reason})
+    ],
+)
+def test_retry_reason_is_the_failure(inputs: tuple[Input, ...], reason: str) -> None:
+    g = G()
+    attempt = g.start()
+    g.feed(attempt, *inputs)
+    assert attempt.verdict == TriggerRetry(reason)
+    retried = [e for e in g.request.drain_events() if e.name is EventName.RETRY_TRIGGERED]
+    assert [(e.attempt, e.detail) for e in retried] == [(1, {"reason": reason})]
 
 
 def test_retry_blocked_allows_one_attempt() -> None:
-    g = new_gate(THREE)
-    g.gate.block("the prompt exceeds the re-prefill cost cap")
-    g.gate.block("a second reason")  # the first reason stands
-    assert (g.gate.max_attempts, g.gate.retries_left) == (1, 1)
-    attempt = g.start()
-    verdict = g.gate.verdict(attempt, fail_503(attempt), no_compatible_replica=None)
-    assert verdict == FailRequest(
-        502, Outcome.RETRY_NOT_ALLOWED, "the prompt exceeds the re-prefill cost cap"
+    # The cost cap blocks retries: one attempt is all there is.
+    cap = policy_from_mapping(
+        {
+            "on_upstream_failure": {"before_first_delta": {"max_attempts": 3}},
+            "reprefill_cost_cap": {"max_prompt_tokens": 8},
+        }
     )
-    assert g.finals == [verdict]
-    settle(attempt, verdict)
-    assert g.gate.admit() == Refuse(verdict)
+    g = G(cap, prompt="tell me a long story " * 20)
+    assert g.request.retry_blocked is not None and "cost cap" in g.request.retry_blocked
+    assert (g.request.max_attempts, g.request.retry_budget) == (1, 1)
+    attempt = g.start()
+    verdict = fail_503(g, attempt)
+    assert verdict == FailRequest(502, Outcome.RETRY_NOT_ALLOWED, g.request.retry_blocked)
+    g.settle(attempt)
+    assert g.arrive(2) == [RefuseAttempt("att-2", verdict)]
 
 
 def test_last_attempt_429_is_429_with_retry_after() -> None:
-    g = new_gate()
+    g = G()
     first = g.start()
-    assert g.gate.verdict(first, fail_503(first), no_compatible_replica=None) == TriggerRetry(
-        "upstream_status"
-    )
-    settle(first, TriggerRetry("upstream_status"))
+    assert fail_503(g, first) == TriggerRetry("upstream_status")
+    g.settle(first)
     second = g.start()
-    failed = fail(second, ResponseHeaders(429, "application/json", retry_after="30"))
-    assert failed == Failed(FailureReason.OVERLOADED)
-    verdict = g.gate.verdict(second, failed, no_compatible_replica=None)
+    g.feed(second, ResponseHeaders(429, JSON, retry_after="30"))
+    verdict = second.verdict
     assert isinstance(verdict, FailRequest)
     assert (verdict.status, verdict.code, verdict.retry_after) == (429, Outcome.REPLICAS_OVERLOADED, "30")
-    assert g.finals == [verdict]
-
-
-def test_overloaded_answer_does_not_claim_what_did_not_happen() -> None:
-    # Invariant 9 (nothing lies): attempt 1 got a 503, attempt 2 a 429; the message must not say that every
-    # replica tried answered 429.
-    g = new_gate()
-    first = g.start()
-    settle(first, g.gate.verdict(first, fail_503(first), no_compatible_replica=None))
-    second = g.start()
-    failed = fail(second, ResponseHeaders(429, "application/json", retry_after="30"))
-    verdict = g.gate.verdict(second, failed, no_compatible_replica=None)
-    assert isinstance(verdict, FailRequest) and verdict.status == 429
-    assert "every replica" not in verdict.message
+    assert second.failure is FailureReason.OVERLOADED
+    # Invariant 9 (nothing lies): attempt 1 got a 503, so not every replica tried answered 429.
+    assert "1 of the 2 attempts got 429" in verdict.message
+    assert g.request.final is verdict
 
 
 def test_429_within_the_budget_is_retried() -> None:
-    g = new_gate()
+    g = G()
     attempt = g.start()
-    failed = fail(attempt, ResponseHeaders(429, "application/json", retry_after="5"))
-    assert g.gate.verdict(attempt, failed, no_compatible_replica=None) == TriggerRetry("replica_overloaded")
+    g.feed(attempt, ResponseHeaders(429, JSON, retry_after="5"))
+    assert attempt.verdict == TriggerRetry("replica_overloaded")
+
+
+def test_a_pinned_request_asks_where_a_retry_could_land() -> None:
+    g = G()
+    g.request.pin("digest-a", "rev-1")
+    attempt = g.start()
+    assert g.feed(attempt, ResponseHeaders(503, JSON)) == [PlaceRetry("att-1")]
+    assert attempt.state is AttemptState.FAILED  # its verdict waits for the placement
+    assert g.arrive(2) == []  # and so does the next attempt
+    assert g.handle(RetryPlaced("att-1", None)) == [
+        ReleaseLease("att-1", SETTLED),
+        AnswerAttempt("att-1", TriggerRetry("upstream_status"), 0),
+        AwaitFence("att-1", FENCE_WAIT),
+    ]
+    assert g.settle(attempt) == [GrantLease("att-2", "10.0.0.2:8000")]
 
 
 def test_no_compatible_replica_to_retry_on() -> None:
-    g = new_gate()
+    g = G()
+    g.request.pin("digest-a", "rev-1")
     attempt = g.start()
+    assert g.feed(attempt, ResponseHeaders(503, JSON)) == [PlaceRetry("att-1")]
     why = "the only other replica serves weights revision b2"
-    verdict = g.gate.verdict(attempt, fail_503(attempt), no_compatible_replica=why)
+    decisions = g.handle(RetryPlaced("att-1", why))
+    verdict = attempt.verdict
     assert isinstance(verdict, FailRequest)
+    assert decisions == [ReleaseLease("att-1", SETTLED), AnswerAttempt("att-1", verdict, 0)]
     assert (verdict.status, verdict.code) == (503, Outcome.NO_COMPATIBLE_REPLICA)
     assert why in verdict.message
-    assert g.finals == [verdict]
-    assert [e.name for e in g.outbox].count(EventName.RETRY_TRIGGERED) == 0
+    assert g.request.final is verdict
+    assert [n for n, _ in g.names()].count("retry_triggered") == 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "replica_side", "accept_cancel_ack", "connection_only"),
+    [
+        (DEFAULT_POLICY, True, True, False),
+        (EXPIRY_ONLY, True, False, False),
+        (DEFAULT_POLICY, False, True, True),  # a static replica: its closed connection is the fence
+    ],
+    ids=["cancel_ack_or_expiry", "expiry_only", "static_replica"],
+)
+def test_how_an_uncertain_attempt_is_fenced(
+    policy: Policy, replica_side: bool, accept_cancel_ack: bool, connection_only: bool
+) -> None:
+    g = G(policy)
+    attempt = g.start(replica_side=replica_side)
+    assert g.feed(attempt, LivenessLost("heartbeat_lapsed")) == [
+        FenceAttempt("att-1", accept_cancel_ack=accept_cancel_ack, connection_only=connection_only)
+    ]
 
 
 def test_fence_unprovable_is_503_whatever_the_budget() -> None:
-    g = new_gate(THREE)
+    g = G(THREE)
     attempt = g.start()
-    assert attempt.handle(LivenessLost("heartbeat_lapsed")) == [StartFence()]
-    failed = fail(attempt, FenceUnprovable())
-    assert failed == Failed(FailureReason.REPLICA_LOST, fence_proven=False)
-    verdict = g.gate.verdict(attempt, failed, no_compatible_replica=None)
+    g.feed(attempt, LivenessLost("heartbeat_lapsed"))
+    assert g.feed(attempt, ResponseHeaders(200, SSE)) == []  # held: the answer waits for the fence
+    decisions = g.feed(attempt, FenceUnprovable())
+    verdict = attempt.verdict
     assert isinstance(verdict, FailRequest)
+    assert decisions == [AnswerAttempt("att-1", verdict, 0)]  # its lease was revoked by the fence
     assert (verdict.status, verdict.code) == (503, Outcome.FENCE_UNPROVABLE)
-    assert g.finals == [verdict]
-    assert g.gate.admit() == Refuse(verdict)  # never fenced, but the refusal comes first
+    assert g.request.final is verdict
+    assert g.arrive(2) == [RefuseAttempt("att-2", verdict)]  # never fenced, but the refusal comes first
 
 
 # Every way an attempt's liveness becomes uncertain: fenced first, then the policy's `then`.
@@ -237,37 +291,48 @@ UNCERTAIN: list[tuple[str, list[Input], FailureReason]] = [
         FailureReason.REPLICA_LOST,
     ),
     ("superseded_uncertain", [Superseded(liveness_uncertain=True)], FailureReason.REPLICA_LOST),
+    # The write-ahead came back and the lease was no longer honoured: never released, fenced instead.
+    (
+        "lease_lost_at_release",
+        [ResponseHeaders(200, SSE), ResponseBody(CONTENT, False), WriteAheadDone(lease_publishable=False)],
+        FailureReason.LEASE_LOST,
+    ),
 ]
 
 
 @pytest.mark.parametrize(("inputs", "reason"), [u[1:] for u in UNCERTAIN], ids=[u[0] for u in UNCERTAIN])
 def test_uncertain_liveness_with_then_fail_request(inputs: list[Input], reason: FailureReason) -> None:
-    g = new_gate(FAIL_AFTER_UNCERTAIN)
+    g = G(FAIL_AFTER_UNCERTAIN)
     attempt = g.start()
-    failed = fail(attempt, *inputs, FenceProven("lease_expiry", 10_000.0))
-    assert failed == Failed(reason)
-    verdict = g.gate.verdict(attempt, failed, no_compatible_replica=None)
+    g.feed(attempt, *inputs)
+    assert attempt.state is AttemptState.FENCING and attempt.verdict is None
+    g.feed(attempt, FenceProven("lease_expiry", 10_000.0))
+    verdict = attempt.verdict
+    assert attempt.failure is reason
     assert isinstance(verdict, FailRequest)
     assert (verdict.status, verdict.code) == (502, Outcome.RETRY_NOT_ALLOWED)
     assert "uncertain" in verdict.message
-    assert g.finals == [verdict]
+    assert g.request.final is verdict
 
 
 @pytest.mark.parametrize(("inputs", "reason"), [u[1:] for u in UNCERTAIN], ids=[u[0] for u in UNCERTAIN])
 def test_uncertain_liveness_retried_by_default(inputs: list[Input], reason: FailureReason) -> None:
-    g = new_gate()
+    g = G()
     attempt = g.start()
-    failed = fail(attempt, *inputs, FenceProven("cancel_ack", 40.0))
-    assert g.gate.verdict(attempt, failed, no_compatible_replica=None) == TriggerRetry(reason.value)
+    g.feed(attempt, *inputs)
+    g.feed(attempt, FenceProven("cancel_ack", 40.0))
+    assert attempt.verdict == TriggerRetry(reason.value)
     assert attempt.fenced is True
-    assert g.gate.admit() == Admit()  # fenced by its proof: nothing to wait for
+    assert attempt.fence == {"proof": "cancel_ack", "waited_ms": 40.0}
+    # Fenced by its proof: nothing to wait for.
+    assert g.arrive(2) == [GrantLease("att-2", "10.0.0.2:8000")]
 
 
 def test_policy_then_fail_request_does_not_stop_certain_failures() -> None:
-    g = new_gate(FAIL_AFTER_UNCERTAIN)
+    g = G(FAIL_AFTER_UNCERTAIN)
     attempt = g.start()
-    failed = fail(attempt, ResponseHeaders(200, SSE), StreamReset())
-    assert g.gate.verdict(attempt, failed, no_compatible_replica=None) == TriggerRetry("connection_lost")
+    g.feed(attempt, ResponseHeaders(200, SSE), StreamReset())
+    assert attempt.verdict == TriggerRetry("connection_lost")
 
 
 # --- admission: the previous attempt must be over and fenced --------------------------------------------
@@ -289,133 +354,180 @@ STILL_PUBLISHING: list[tuple[str, list[Input], AttemptState]] = [
     ("inputs", "state"), [s[1:] for s in STILL_PUBLISHING], ids=[s[0] for s in STILL_PUBLISHING]
 )
 def test_supersede_then_await_fence_then_admit(inputs: list[Input], state: AttemptState) -> None:
-    g = new_gate()
+    g = G()
     previous = g.start()
-    for event in inputs:
-        previous.handle(event)
+    g.feed(previous, *inputs)
     assert previous.state is state
-    admission = g.gate.admit()
-    assert isinstance(admission, Supersede) and admission.attempt is previous
-    # The shell feeds it Superseded (Envoy started the next attempt: this one's connection is gone).
-    decisions = previous.handle(Superseded())
-    failed = decisions[0]
-    assert isinstance(failed, Failed)
-    assert decisions[1:] == [SettleLease("connection_closed")]
-    assert g.gate.verdict(previous, failed, no_compatible_replica=None) == TriggerRetry(failed.reason.value)
-    assert previous.handle(VerdictReady(TriggerRetry(failed.reason.value))) == []  # its stream is gone
-    admission = g.gate.admit()
-    assert isinstance(admission, AwaitFence) and admission.attempt is previous
-    previous.handle(FenceProven("connection_closed"))
-    assert g.gate.admit() == Admit()
-    assert g.gate.begin("att-2", "r2").number == 2
+    assert g.arrive(2) == [SupersedeAttempt("att-1")]
+    # The shell feeds it Superseded (Envoy started the next attempt: this one's connection is gone): it
+    # fails, its verdict is a retry (nothing to answer: its stream is gone), and the next one waits for
+    # the proof that it is fenced.
+    assert g.feed(previous, Superseded()) == [ReleaseLease("att-1", SETTLED), AwaitFence("att-1", FENCE_WAIT)]
+    assert previous.verdict == TriggerRetry(previous.failure.value if previous.failure else "")
+    assert g.settle(previous) == [GrantLease("att-2", "10.0.0.2:8000")]
+    assert g.grant(2) == [ForwardAttempt("att-2")]
+    assert g.request.attempts[1].number == 2
 
 
 def test_await_fence_while_fencing() -> None:
-    g = new_gate()
+    g = G()
     previous = g.start()
-    previous.handle(ResponseHeaders(200, SSE))
-    previous.handle(LivenessLost("heartbeat_lapsed"))
-    for _ in range(3):  # asked again and again while the fence lasts
-        admission = g.gate.admit()
-        assert isinstance(admission, AwaitFence) and admission.attempt is previous
-    failed = fail(previous, FenceProven("lease_expiry", 12_000.0))
-    assert g.gate.verdict(previous, failed, no_compatible_replica=None) == TriggerRetry("replica_lost")
-    assert g.gate.admit() == Admit()
+    g.feed(previous, ResponseHeaders(200, SSE), LivenessLost("heartbeat_lapsed"))
+    assert g.arrive(2) == [AwaitFence("att-1", FENCE_WAIT)]
+    # Asked again while the fence lasts (another input): no second timer.
+    assert g.feed(previous, ResponseBody(ROLE, False)) == []
+    decisions = g.feed(previous, FenceProven("lease_expiry", 12_000.0))
+    assert previous.verdict == TriggerRetry("replica_lost")
+    assert decisions == [
+        AnswerAttempt("att-1", TriggerRetry("replica_lost"), 1),
+        GrantLease("att-2", "10.0.0.2:8000"),
+    ]
 
 
 def test_await_fence_until_a_failed_attempts_lease_is_settled() -> None:
-    g = new_gate()
+    g = G()
     previous = g.start()
-    verdict = g.gate.verdict(previous, fail_503(previous), no_compatible_replica=None)
-    assert previous.handle(VerdictReady(verdict)) == [
-        SettleLease("connection_closed"),
-        Answer(TriggerRetry("upstream_status"), 0),
-    ]
-    admission = g.gate.admit()
-    assert isinstance(admission, AwaitFence) and admission.attempt is previous
-    previous.handle(FenceProven("connection_closed"))
-    assert g.gate.admit() == Admit()
+    fail_503(g, previous)
+    assert g.arrive(2) == [AwaitFence("att-1", FENCE_WAIT)]
+    assert g.settle(previous) == [GrantLease("att-2", "10.0.0.2:8000")]
 
 
 def test_passed_through_attempt_needs_no_fence() -> None:
-    g = new_gate()
+    g = G()
     previous = g.start()
-    assert previous.handle(ResponseHeaders(404, "application/json")) == [Release(0)]
-    assert g.gate.admit() == Admit()
+    assert g.feed(previous, ResponseHeaders(404, JSON)) == [ReleaseAttempt("att-1", 0)]
+    assert g.arrive(2) == [GrantLease("att-2", "10.0.0.2:8000")]
 
 
-def test_fence_timed_out() -> None:
-    g = new_gate(THREE)
+def test_fence_wait_over() -> None:
+    g = G(THREE)
     previous = g.start()
-    previous.handle(LivenessLost("progress_gap"))
-    assert isinstance(g.gate.admit(), AwaitFence)
-    verdict = g.gate.fence_timed_out(previous)
+    g.feed(previous, LivenessLost("progress_gap"))
+    assert g.arrive(2) == [AwaitFence("att-1", FENCE_WAIT)]
+    g.request.drain_events()
+    refused = g.handle(FenceWaitOver("att-1"))
+    verdict = g.request.final
+    assert verdict is not None and refused == [RefuseAttempt("att-2", verdict)]
     assert (verdict.status, verdict.code) == (503, Outcome.FENCE_UNPROVABLE)
     assert "attempt 1" in verdict.message
-    assert g.gate.final is verdict and g.finals == [verdict]
-    assert g.gate.admit() == Refuse(verdict)
-    assert g.outbox[-1] == Event(EventName.RETRY_REFUSED, 1, {"reason": "fence_unprovable"})
-    # The fence that ends later changes nothing: the answer is given.
-    failed = fail(previous, FenceProven("lease_expiry"))
-    assert g.gate.verdict(previous, failed, no_compatible_replica=None) is verdict
-    assert g.finals == [verdict]
+    assert g.names() == [("retry_refused", 1), ("request_failed", None)]
+    assert g.arrive(3) == [RefuseAttempt("att-3", verdict)]
+    # The fence that ends later changes nothing: its verdict is the request's answer.
+    g.feed(previous, FenceProven("lease_expiry"))
+    assert previous.verdict is verdict
+
+
+def test_fence_wait_over_for_a_fenced_attempt_changes_nothing() -> None:
+    g = G()
+    previous = g.start()
+    fail_503(g, previous)
+    g.arrive(2)
+    g.settle(previous)
+    assert g.handle(FenceWaitOver("att-1")) == []
+    assert g.request.final is None
+
+
+def test_an_arrival_whose_stream_goes_during_its_grant_is_never_on_record() -> None:
+    from router_sidecar.core.request import ArrivalGone, DiscardLease
+
+    g = G()
+    assert g.arrive(1) == [GrantLease("att-1", "10.0.0.1:8000")]
+    assert g.handle(ArrivalGone("att-1")) == []
+    lease = object()
+    assert g.handle(LeaseGranted("att-1", lease, 10, False)) == [DiscardLease(lease)]
+    assert g.request.attempts == []
+    assert g.start(2).number == 1
+
+
+def test_one_admission_at_a_time() -> None:
+    # Envoy started the next attempt while the first one's lease was being granted: the second waits, and
+    # then supersedes the first.
+    g = G()
+    assert g.arrive(1) == [GrantLease("att-1", "10.0.0.1:8000")]
+    assert g.arrive(2) == []
+    assert g.grant(1) == [ForwardAttempt("att-1"), SupersedeAttempt("att-1")]
+
+
+# --- the claim -----------------------------------------------------------------------------------------
+
+
+def test_the_first_attempt_does_not_wait_for_the_claim_but_a_retry_does() -> None:
+    g = G(claimed=False)
+    first = g.start()
+    g.feed(first, ResponseHeaders(503, JSON))
+    assert first.state is AttemptState.FAILED  # the verdict waits for the claim
+    assert g.arrive(2) == []
+    decisions = g.handle(ClaimSettled(ClaimOutcome.GRANTED))
+    assert decisions == [
+        ReleaseLease("att-1", SETTLED),
+        AnswerAttempt("att-1", TriggerRetry("upstream_status"), 0),
+        AwaitFence("att-1", FENCE_WAIT),
+    ]
+    assert g.settle(first) == [GrantLease("att-2", "10.0.0.2:8000")]
+
+
+def test_nothing_is_written_ahead_before_the_claim() -> None:
+    g = G(claimed=False)
+    attempt = g.start()
+    assert g.feed(attempt, ResponseHeaders(200, SSE), ResponseBody(CONTENT, False)) == []
+    assert g.feed(attempt, ResponseBody(CONTENT, False)) == []  # held with the rest
+    assert g.handle(ClaimSettled(ClaimOutcome.GRANTED)) == [WriteAheadJournal("att-1")]
+
+
+def test_without_the_journal_no_retry_can_be_proven_safe() -> None:
+    g = G(claimed=False)
+    attempt = g.start()
+    g.feed(attempt, ResponseHeaders(503, JSON))
+    why = "the request journal (etcd) is unreachable, so no retry can be proven safe"
+    g.handle(ClaimSettled(ClaimOutcome.UNAVAILABLE))
+    assert attempt.verdict == FailRequest(502, Outcome.RETRY_NOT_ALLOWED, why)
+
+
+def test_a_run_refused_by_its_claim_releases_nothing_and_starts_nothing() -> None:
+    g = G(claimed=False)
+    first = g.start()
+    g.feed(first, ResponseHeaders(200, SSE), ResponseBody(CONTENT, False))
+    duplicate = DuplicateRun(in_flight=True)
+    # The client gets the 409 at once (nothing reached it); the held attempt is never released.
+    assert g.handle(ClaimSettled(ClaimOutcome.REFUSED, duplicate=duplicate)) == [FailNow(duplicate)]
+    assert first.state is AttemptState.WRITING_AHEAD and g.request.publisher is None
+    assert g.arrive(2) == [RefuseAttempt("att-2", duplicate)]
+    # Envoy resets the held attempt: it fails; its lease settles; no answer is written on its stream.
+    assert g.feed(first, StreamReset()) == [ReleaseLease("att-1", SETTLED)]
+    assert g.request.phase.value == "rejected"
 
 
 # --- a refusal is final ------------------------------------------------------------------------------
 
 
-def test_refuse_forever_after_finish() -> None:
-    g = new_gate(THREE)
-    first = g.start()
-    final = g.gate.finish(FailRequest(504, Outcome.DEADLINE_EXCEEDED, "deadline"))
-    assert g.gate.finish(FailRequest(502, Outcome.RETRIES_EXHAUSTED, "other")) is final  # the first one stays
-    assert g.gate.retries_left == 0
-    for _ in range(3):
-        assert g.gate.admit() == Refuse(final)
-    # A verdict asked after the end is that end, whatever the attempt's failure.
-    assert g.gate.verdict(first, fail_503(first), no_compatible_replica=None) is final
-    assert g.finals == [final]
-    assert [e.name for e in g.outbox].count(EventName.RETRY_REFUSED) == 1
-    assert [e.name for e in g.outbox].count(EventName.RETRY_TRIGGERED) == 0
-
-
-def test_finish_before_any_attempt() -> None:
-    g = new_gate()
-    final = g.gate.finish(FailRequest(504, Outcome.DEADLINE_EXCEEDED, "deadline"))
-    assert g.gate.admit() == Refuse(final)
-    assert g.outbox == [Event(EventName.RETRY_REFUSED, None, {"reason": "deadline_exceeded"})]
-    assert g.finals == [final]
-
-
 def test_refusal_over_the_budget_is_final() -> None:
-    # The last allowed attempt failed and is fenced, and Envoy starts one more before its verdict was asked:
-    # that attempt is refused, and the refusal ends the request (on_final once, the same answer after).
-    g = new_gate()
+    # The last allowed attempt failed and is fenced, and Envoy starts one more before its verdict reached it:
+    # that attempt is refused, and the refusal ends the request once.
+    g = G()
     first = g.start()
-    settle(first, g.gate.verdict(first, fail_503(first), no_compatible_replica=None))
+    fail_503(g, first)
+    g.settle(first)
     second = g.start()
-    second.handle(ResponseHeaders(200, SSE))
-    second.handle(StreamReset())
-    second.handle(FenceProven("connection_closed"))
-    refusal = g.gate.admit()
-    assert isinstance(refusal, Refuse)
-    assert (refusal.verdict.status, refusal.verdict.code) == (502, Outcome.RETRIES_EXHAUSTED)
-    assert g.gate.final == refusal.verdict
-    assert g.finals == [refusal.verdict]
-    assert g.gate.admit() == refusal
-    assert g.finals == [refusal.verdict]
+    g.feed(second, ResponseHeaders(200, SSE), StreamReset())
+    g.settle(second)
+    final = g.request.final
+    assert final is not None and (final.status, final.code) == (502, Outcome.RETRIES_EXHAUSTED)
+    assert g.arrive(3) == [RefuseAttempt("att-3", final)]
+    assert g.arrive(4) == [RefuseAttempt("att-4", final)]
+    assert [n for n, _ in g.names()].count("request_failed") == 1
 
 
-def test_on_final_exactly_once_over_a_whole_story() -> None:
-    g = new_gate()
+def test_a_verdict_asked_after_the_end_is_that_end() -> None:
+    g = G(THREE)
     first = g.start()
-    settle(first, g.gate.verdict(first, fail_503(first), no_compatible_replica=None))
-    second = g.start()
-    verdict = g.gate.verdict(second, fail_503(second), no_compatible_replica=None)
-    settle(second, verdict)
-    g.gate.admit()
-    g.gate.fence_timed_out(second)
-    g.gate.finish(FailRequest(504, Outcome.DEADLINE_EXCEEDED, "late"))
-    g.gate.verdict(second, Failed(FailureReason.UPSTREAM_STATUS), no_compatible_replica="none left")
-    assert g.finals == [verdict]
-    assert g.gate.final is verdict
+    g.feed(first, ResponseHeaders(200, SSE))
+    from router_sidecar.core.request import DeadlineReached
+
+    [deadline] = g.handle(DeadlineReached())
+    assert isinstance(deadline, FailNow)
+    final = g.request.final
+    assert final is not None and final.code == Outcome.DEADLINE_EXCEEDED
+    g.feed(first, ResponseBody(b'data: {"error": {}}\n\n', False))
+    assert first.verdict is final
+    assert [n for n, _ in g.names()].count("retry_triggered") == 0
+    assert [n for n, _ in g.names()].count("retry_refused") == 0  # drained above: once in all

@@ -21,14 +21,13 @@ from router_sidecar.core.attempt import (
     LivenessLost,
     ResponseBody,
     ResponseHeaders,
-    VerdictReady,
     WriteAheadDone,
 )
 from router_sidecar.core.request import DownstreamLoss, DownstreamLost, LogicalRequest, ResponseChunk
 from router_sidecar.telemetry import logs
 from router_sidecar.telemetry.observer import MAX_MODEL_LABELS, TTFT_BUCKETS, Telemetry
 from router_sidecar.telemetry.setup import MetricsListen, TelemetryConfigError, build_telemetry
-from tests.unit.test_request import C1, C2, DONE_EVENT, FINISH, ROLE, SSE, begin, new_request, started
+from tests.unit.test_request import C1, C2, DONE_EVENT, FINISH, ROLE, SSE, begin, fa, new_request, started
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -74,10 +73,10 @@ def serve(h: Harness, request: LogicalRequest, attempt_id: str, replica: str, *,
     """One attempt that holds, writes ahead at its first delta and publishes `content` whole."""
     attempt = begin(request, attempt_id, replica)
     h.drain(request)
-    attempt.handle(ResponseHeaders(200, SSE))
-    attempt.handle(ResponseBody(ROLE + C1, False))
+    fa(request, attempt, ResponseHeaders(200, SSE))
+    fa(request, attempt, ResponseBody(ROLE + C1, False))
     h.drain(request)
-    attempt.handle(WriteAheadDone())
+    fa(request, attempt, WriteAheadDone())
     started(request)
     request.handle(ResponseChunk(content, content.endswith(DONE_EVENT)))
     h.drain(request)
@@ -91,10 +90,8 @@ def test_a_retried_then_completed_request() -> None:
     first = begin(request, "att-1", "10.0.0.1:8000")
     h.drain(request)
     assert h.telemetry.traceparent(request, 1) is not None
-    first.handle(ResponseHeaders(503, SSE))
-    verdict = request.gate.verdict(first, first_failed(first), no_compatible_replica=None)
-    first.handle(VerdictReady(verdict))
-    first.handle(FenceProven("connection_closed"))
+    fa(request, first, ResponseHeaders(503, SSE))
+    fa(request, first, FenceProven("connection_closed"))
     h.drain(request)
     serve(h, request, "att-2", "10.0.0.2:8000", content=ROLE + C1 + C2 + FINISH + DONE_EVENT)
     h.finish(request)
@@ -152,22 +149,15 @@ def test_a_retried_then_completed_request() -> None:
     assert [(dict(k)["phase"], p.value) for k, p in requests.items()] == [("completed", 1)]
 
 
-def first_failed(attempt: Any) -> Any:
-    """The Failed decision an attempt made (it is the last thing it decided)."""
-    from router_sidecar.core.attempt import Failed
-
-    return Failed(attempt.failure)
-
-
 def test_a_fenced_attempt_records_its_proof_and_latency() -> None:
     h = Harness()
     request = new_request()
     h.drain(request)
     attempt = begin(request, "att-1", "r1:1")
-    attempt.handle(ResponseHeaders(200, SSE))
-    attempt.handle(LivenessLost("heartbeat_lapsed"))
+    fa(request, attempt, ResponseHeaders(200, SSE))
+    fa(request, attempt, LivenessLost("heartbeat_lapsed"))
     h.drain(request)
-    attempt.handle(FenceProven("cancel_ack", 42.0))
+    fa(request, attempt, FenceProven("cancel_ack", 42.0))
     h.drain(request)
     h.finish(request)
     span = h.finished_spans()["attempt 1"]
@@ -176,6 +166,7 @@ def test_a_fenced_attempt_records_its_proof_and_latency() -> None:
         "fence_started",
         "fence_proven",
         "attempt_failed",
+        "retry_triggered",  # the request's verdict on it
     ]
     assert dict(span.events[2].attributes or {}) == {
         "attempt": 1,

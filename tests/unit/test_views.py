@@ -15,15 +15,13 @@ from router_sidecar.coordination.fencing import AttemptLease
 from router_sidecar.coordination.store import Lease
 from router_sidecar.core import views
 from router_sidecar.core.attempt import (
-    Failed,
     FailRequest,
     FenceProven,
     LivenessLost,
     ResponseBody,
     ResponseHeaders,
     StreamReset,
-    VerdictReady,
-    WriteAhead,
+    TriggerRetry,
 )
 from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.request import (
@@ -34,6 +32,7 @@ from router_sidecar.core.request import (
     Phase,
     ResponseChunk,
     ToolCallNoted,
+    WriteAheadJournal,
 )
 from router_sidecar.core.sse import DONE_EVENT
 from tests.unit.test_request import (
@@ -45,6 +44,7 @@ from tests.unit.test_request import (
     ROLE,
     SSE,
     begin,
+    fa,
     new_request,
     released,
     started,
@@ -67,18 +67,15 @@ def two_failed_attempts(request: LogicalRequest) -> FailRequest:
     """Attempt 1: fenced after its heartbeat lapsed, retried; attempt 2: its replica answered 503, refused."""
     first = begin(request, "att-1", "10.0.0.1:8000")
     first.lease = lease(0x1F, revoked=True)
-    first.handle(ResponseHeaders(200, SSE))
-    first.handle(LivenessLost("heartbeat_lapsed"))
-    failure = first.handle(FenceProven("cancel_ack", 812.34))[0]
-    assert isinstance(failure, Failed)
-    first.handle(VerdictReady(request.gate.verdict(first, failure, no_compatible_replica=None)))
+    fa(request, first, ResponseHeaders(200, SSE))
+    fa(request, first, LivenessLost("heartbeat_lapsed"))
+    fa(request, first, FenceProven("cancel_ack", 812.34))
+    assert isinstance(first.verdict, TriggerRetry)
     second = begin(request, "att-2", "10.0.0.2:8000")
     second.lease = lease(0x2A)
-    failure = second.handle(ResponseHeaders(503, JSON))[0]
-    assert isinstance(failure, Failed)
-    verdict = request.gate.verdict(second, failure, no_compatible_replica=None)
+    fa(request, second, ResponseHeaders(503, JSON))
+    verdict = second.verdict
     assert isinstance(verdict, FailRequest)
-    second.handle(VerdictReady(verdict))
     return verdict
 
 
@@ -212,10 +209,8 @@ def test_publishing_attempt_outcome_reads_the_requests_end(
 def test_a_failed_attempt_keeps_its_own_outcome_when_the_request_completes() -> None:
     request = new_request()
     first = begin(request, "att-1", "r1")
-    failure = first.handle(StreamReset())[0]
-    assert isinstance(failure, Failed)
-    first.handle(VerdictReady(request.gate.verdict(first, failure, no_compatible_replica=None)))
-    first.handle(FenceProven("connection_closed"))
+    fa(request, first, StreamReset())
+    fa(request, first, FenceProven("connection_closed"))
     released(request, "att-2", "r2")
     started(request)
     request.handle(ResponseChunk(ROLE + C1 + FINISH + DONE_EVENT, True))
@@ -268,7 +263,7 @@ def test_journal_view_of_a_completed_request() -> None:
 
 def test_journal_view_of_a_prefill_request() -> None:
     request = new_request()
-    begin(request).handle(ResponseHeaders(200, SSE))
+    fa(request, begin(request), ResponseHeaders(200, SSE))
     view = views.journal_view(request)
     assert (view["phase"], view["outcome"], view["first_delta_sent"], view["retry_budget"]) == (
         "prefill",
@@ -277,6 +272,6 @@ def test_journal_view_of_a_prefill_request() -> None:
         1,
     )
     assert view["attempts"][0]["outcome"] == "holding"
-    assert request.attempts[0].handle(ResponseBody(ROLE + C1, False)) == [WriteAhead()]
+    assert fa(request, request.attempts[0], ResponseBody(ROLE + C1, False)) == [WriteAheadJournal("att-1")]
     view = views.journal_view(request)
     assert (view["first_delta_sent"], view["attempts"][0]["outcome"]) == (True, "writing_ahead")

@@ -216,7 +216,7 @@ class StreamView:
 
     @property
     def delivered_tokens(self) -> int:
-        """What the client got, counted as DESIGN §8.3 says: the usage count when the stream carried one."""
+        """What the client got, counted as invariant 3 says: the usage count when the stream carried one."""
         usage = self.usage_tokens
         return usage if usage is not None else len(self.content)
 

@@ -2,7 +2,7 @@
 
 The article's test section asks for a replica killed during prefill, after computing a token, right after
 the first delta, a path lost with the process alive, and a worker killed after a tool call; the README
-adds the ways an upstream ends wrongly after the first delta, and the failure classes of DESIGN §3 (slow
+adds the ways an upstream ends wrongly after the first delta, and the failure classes of docs/design.md (slow
 is not failed, a client that leaves is cancelled). Each scenario runs in the fault modes that can produce
 its fault:
 
@@ -444,7 +444,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "all replicas failing",
         "Every allowed attempt fails before content: exactly one JSON error naming the request and why; "
         "never a partial body or a dead attempt's bytes.",
-        "DESIGN §8.8",
+        "invariant 8, docs/design.md#the-invariants",
         "HTTP 502/503 JSON retries_exhausted with this request_id, no SSE bytes; journal failed, every "
         "attempt failed, 0 delivered, leases one after the other",
         drive_one,
@@ -472,7 +472,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "malformed input",
         "A body that is not JSON, an oversize body and an unknown model get a clear 4xx JSON error "
         "naming the request; nothing is served.",
-        "README, DESIGN §8.10",
+        "README, invariant 10 (docs/design.md#the-invariants)",
         "400 invalid_json and 413 request_too_large naming the request; the unknown model a 4xx JSON "
         "error; no SSE bytes; nothing journaled as served",
         drive_malformed,

@@ -2,8 +2,8 @@
 
 Each scenario's judge turns its :class:`Evidence` into a :class:`Verdict`: a list of checks, each saying
 what was checked (the promise, in one line) and what was seen (always recorded; shown when it failed).
-The checks are those of DESIGN.md §8, read from the client's exact bytes, the gateway's journal record and,
-for simulated replicas, the replica's own log:
+The checks are the invariants of docs/design.md#the-invariants, read from the client's exact bytes, the
+gateway's journal record and, for simulated replicas, the replica's own log:
 
 1. the client gets content from at most one attempt;
 2. one complete generation ending in `[DONE]`, or a prefix followed by exactly one terminal frame and
@@ -504,7 +504,7 @@ def check_json_error(v: Verdict, x: Exchange, *, statuses: Iterable[int], code: 
 
 
 def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *, prefix: str) -> None:
-    """DESIGN §8.8: the JSON error's body names the request. The x-request-id header (README: returned on
+    """Invariant 8: the JSON error's body names the request. The x-request-id header (README: returned on
     every answer) is how a client finds a record when the body cannot say it; when the body does, a missing
     header is noted, not a violation."""
     if not v.router_sidecar:
@@ -923,7 +923,7 @@ def judge_malformed_input(ev: Evidence) -> Verdict:
         # The gateway's own refusals name the request in the body. With static replicas the gateway does not
         # know the served models: an unknown model is the replica's own 4xx, passed through; it names the
         # request only in x-request-id. The scenario's promise (a clear 4xx JSON error, nothing served) holds;
-        # the stricter reading of DESIGN §8.8 (the body names the request) is noted.
+        # the stricter reading of invariant 8 (the body names the request) is noted.
         if not v.router_sidecar:
             v.not_applicable(f"{x.label}: the error names the request (error.request_id or x-request-id)")
         elif code is not None or (error is not None and error.get("request_id") is not None):
