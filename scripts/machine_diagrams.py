@@ -17,7 +17,7 @@ from pathlib import Path
 
 from router_sidecar.core.attempt import LEASE_TRANSITIONS, REPLY_TRANSITIONS, TRANSITIONS, Action
 
-DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
+DESIGN_DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
 
 def attempt_diagram() -> str:
@@ -59,10 +59,10 @@ def render(text: str) -> str:
         begin, end = f"<!-- BEGIN generated: {name} -->", f"<!-- END generated: {name} -->"
         head, found, rest = text.partition(begin)
         if not found:
-            raise SystemExit(f"{DESIGN}: no '{begin}' marker")
+            raise SystemExit(f"{DESIGN_DOC}: no '{begin}' marker")
         _, found, tail = rest.partition(end)
         if not found:
-            raise SystemExit(f"{DESIGN}: no '{end}' marker")
+            raise SystemExit(f"{DESIGN_DOC}: no '{end}' marker")
         text = f"{head}{begin}\n```mermaid\n{draw()}\n```\n{end}{tail}"
     return text
 
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/design.md is out of date")
     args = parser.parse_args(argv)
-    current = DESIGN.read_text()
+    current = DESIGN_DOC.read_text()
     fresh = render(current)
     if args.check:
         if fresh != current:
             print("docs/design.md: the machine diagrams are out of date; run scripts/machine_diagrams.py")
             return 1
         return 0
-    DESIGN.write_text(fresh)
+    DESIGN_DOC.write_text(fresh)
     return 0
 
 
