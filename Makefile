@@ -7,10 +7,10 @@ PYTEST := .venv/bin/pytest
 setup:
 	@bash scripts/setup.sh
 
-# `make demo REAL=1` runs the demo on real vLLM replicas, `make demo REAL=sglang` on real SGLang ones (both
-# need `make real-setup`).
+# The demo is the testbed's (`router-testbed demo`, testbed/). `make demo REAL=1` runs it on real vLLM
+# replicas, `make demo REAL=sglang` on real SGLang ones (both need `make real-setup`).
 demo: setup
-	$(PY) -m router_sidecar demo $(if $(filter sglang,$(REAL)),--real-sglang,$(if $(REAL),--real-vllm)) $(DEMO_ARGS)
+	$(PY) -m router_testbed demo $(if $(filter sglang,$(REAL)),--real-sglang,$(if $(REAL),--real-vllm)) $(DEMO_ARGS)
 
 test: setup
 	$(PYTEST) tests -q $(PYTEST_ARGS)
@@ -41,8 +41,8 @@ soak: setup
 	$(PY) -m tests.fault.fuzz --trials $(TRIALS) $(SOAK_ARGS)
 
 lint: setup
-	.venv/bin/ruff check router_sidecar router_testbed tests bench
-	.venv/bin/ruff format --check router_sidecar router_testbed tests bench
+	.venv/bin/ruff check router_sidecar testbed tests bench
+	.venv/bin/ruff format --check router_sidecar testbed tests bench
 
 bench: setup
 	$(PY) bench/stream_overhead.py $(BENCH_ARGS)

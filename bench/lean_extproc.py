@@ -7,7 +7,7 @@ response headers, each body chunk echoed as a streamed body). Upstream: request 
 first response body chunk, the headers and that chunk released, then the stream ends (the sidecar's own
 release at the first delta). Access log: consumed.
 
-    python bench/lean_extproc.py --bind unix:/path/to.sock
+    python bench/lean_extproc.py --listen unix:/path/to.sock
 """
 
 from __future__ import annotations
@@ -83,14 +83,14 @@ async def serve(bind: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bind", required=True, help="unix:/path or 127.0.0.1:PORT")
+    parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
     args = parser.parse_args()
     try:
         import uvloop
 
-        uvloop.run(serve(args.bind))
+        uvloop.run(serve(args.listen))
     except ImportError:
-        asyncio.run(serve(args.bind))
+        asyncio.run(serve(args.listen))
 
 
 if __name__ == "__main__":

@@ -349,7 +349,7 @@ def start_floor(envoy: str, listen: int, upstream: int, work: Path) -> tuple[Chi
     socket_path = work / "lean.sock"
     lean = Child(
         "lean-extproc",
-        [sys.executable, str(BENCH_DIR / "lean_extproc.py"), "--bind", f"unix:{socket_path}"],
+        [sys.executable, str(BENCH_DIR / "lean_extproc.py"), "--listen", f"unix:{socket_path}"],
         log_path=work / "lean-extproc.log",
     )
     wait_until(socket_path.exists, timeout=30, what="lean ext_proc ready", child=lean)

@@ -16,7 +16,7 @@ MODEL=.tools/tiny-model
 WHEEL_DIR=${VLLM_WHEEL_DIR:-/opt/wheels}
 TORCH_WHEEL=$WHEEL_DIR/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 SGLANG_VERSION=0.5.23
-STUB_DIR=$VENV/sgl-kernel-stub  # put on PYTHONPATH by router_testbed/real_engine.py (SglangReplica)
+STUB_DIR=$VENV/sgl-kernel-stub  # put on PYTHONPATH by testbed/router_testbed/real_engine.py (SglangReplica)
 
 if [ ! -f "$TORCH_WHEEL" ]; then
   echo "real-setup (sglang): skipped: $TORCH_WHEEL is absent (SGLang's CPU path needs torch 2.13.0+cpu, which" \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv with pinned deps, the Envoy binary in its own tools dir,
+# Idempotent set-up: .venv with pinned deps, the product and its testbed (two distributions: router-sidecar
+# from ./, router-testbed from ./testbed, both editable), the Envoy binary in its own tools dir,
 # Envoy's own API messages (xds-protos, for tests only: tests/unit/test_wire_compat.py checks our wire
 # definitions against them) without their bundled google/opentelemetry copies, and etcd.
 set -euo pipefail
@@ -8,7 +9,7 @@ PY=${PYTHON:-python3}
 VENV=.venv
 TOOLS=.tools
 stamp=$VENV/.setup-stamp
-want=$(cat pyproject.toml requirements.lock requirements-tools.lock scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml testbed/pyproject.toml requirements.lock requirements-tools.lock scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$TOOLS/envoy/bin/envoy" ] && command -v etcd >/dev/null 2>&1; then
   exit 0
 fi
@@ -16,6 +17,8 @@ echo "setup: creating $VENV"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements.lock
 "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e .
+# The testbed (simulator, demo, drill, tool service: `router-testbed`), into the same venv.
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e ./testbed
 
 # The product speaks its own definitions (proto/, router_sidecar/wire/). xds-protos is only the reference
 # the tests compare them with. It ships envoy/, udpa/, xds/, validate/ plus private copies of google/, opentelemetry/,

@@ -260,7 +260,10 @@ class Gateway:
         tools: tuple[str, ...] = (),
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        up_line: bytes = b"ready:",
     ) -> None:
+        """Started once its stdout has a line that starts with `up_line`: `ready:` (a replica to send to),
+        or `waiting for replicas:` (up, not ready: none registered yet); the line is kept in `up`."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.etcd = etcd
@@ -282,7 +285,7 @@ class Gateway:
             argv += ["--replica", replica]
         for tool in tools:
             argv += ["--tool", tool]
-        argv += ["--config", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
+        argv += ["--policy", str(_with_full_traces(config, work / f"policy-{self.port}.yaml"))]
         argv += list(extra_args)
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -291,10 +294,16 @@ class Gateway:
             stderr=self._out,
             start_new_session=True,
             env={**os.environ, **env} if env else None,
+            bufsize=0,  # unbuffered: a line read leaves none behind in a buffer select() cannot see
         )
-        self._wait_ready()
+        try:
+            self.up = self.wait_line(up_line)
+        except RuntimeError:
+            self.stop()
+            raise
 
-    def _wait_ready(self, timeout: float = 40.0) -> None:
+    def wait_line(self, prefix: bytes, timeout: float = 40.0) -> str:
+        """The next line of its stdout that starts with `prefix` (earlier lines are read and dropped)."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         seen = b""
@@ -303,12 +312,13 @@ class Gateway:
             if ready:
                 line = self.proc.stdout.readline()
                 seen += line
-                if b"ready" in line:
-                    return
+                if line.startswith(prefix):
+                    return line.decode()
             if self.proc.poll() is not None:
                 break
-        self.stop()
-        raise RuntimeError(f"gateway did not become ready: {seen!r}\n{self.out_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"gateway printed no {prefix!r} line: {seen!r}\n{self.out_path.read_text()[-3000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -192,7 +192,10 @@ class Inference(PassThrough):
                 served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.routable.values()})
                 if not served:
                     return _error(
-                        503, "no_replica", "no healthy replica is registered; try again later", request_id
+                        503,
+                        "no_replica_available",
+                        "no healthy replica is registered; try again later",
+                        request_id,
                     )
                 return _error(
                     404,
@@ -545,7 +548,7 @@ class DownstreamStream:
         if probe is Probe.READY:
             problem = await self._services.readiness.check()
             if problem is not None:
-                return _error(503, "etcd_unreachable", f"not ready: etcd does not answer ({problem})", None)
+                return _error(503, problem.code, f"not ready: {problem.message}", None)
         return m.immediate(200, b'{"status": "ok"}')
 
     async def _lookup(self, request_id: str | None, tenant: str) -> m.ProcessingResponse:

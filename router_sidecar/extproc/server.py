@@ -14,7 +14,7 @@ from router_sidecar.coordination.journal import Journal
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.owners import Ownership, new_instance_id
 from router_sidecar.coordination.progress import ProgressMonitor
-from router_sidecar.coordination.readiness import Readiness
+from router_sidecar.coordination.readiness import Readiness, ReplicaSet
 from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import Store
 from router_sidecar.coordination.tenancy import load_tenant_secret
@@ -124,7 +124,11 @@ class SidecarServer:
         self.services = services = Services(
             policy=policy,
             route_policies=RoutePolicies(policy),
-            readiness=Readiness(store),
+            # Not ready without a replica to send to: static ones while healthy, discovered while registered.
+            readiness=Readiness(
+                store,
+                ReplicaSet(self.liveness, static_replicas) if discovery or static_replicas else None,
+            ),
             registry=self.registry,
             journal=self.journal,
             ledger=ToolLedger(store, policy.tools),

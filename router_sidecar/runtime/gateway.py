@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 # A crashed Envoy is restarted (the streams it carried are lost either way); one that keeps crashing is not.
 ENVOY_RESTARTS = 5
 ENVOY_RESTART_WINDOW_SECONDS = 300.0
+# How often the start-up line's successor is decided: `ready:` / `waiting for replicas:` on a change.
+READINESS_POLL_SECONDS = 0.5
 
 
 class GatewayError(Exception):
@@ -96,6 +98,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         telemetry=telemetry.telemetry,
     )
     envoy_child: Child | None = None
+    announcer: asyncio.Future[None] | None = None
     keep_logs = False
     try:
         await server.start()
@@ -116,11 +119,9 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             envoy, config_path, spec.admin_socket, work_dir, options.envoy_log_level
         )
         server.start_background()
-        print(
-            f"ready: gateway on http://{options.listen} → replicas {', '.join(map(str, options.replicas))}; "
-            f"etcd {options.etcd}; logs in {work_dir}{_telemetry_note(telemetry)}",
-            flush=True,
-        )
+        where = f"gateway on http://{options.listen}"
+        tail = f"etcd {options.etcd}; logs in {work_dir}{_telemetry_note(telemetry)}"
+        announcer = asyncio.ensure_future(_announce_readiness(server, where, tail))
         crashes: list[float] = []
         while True:
             await _wait_for_stop(envoy_child, stop)
@@ -154,6 +155,8 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             )
             print(f"restarted envoy (pid {envoy_child.pid})", file=sys.stderr, flush=True)
     finally:
+        if announcer is not None:
+            announcer.cancel()
         if envoy_child is not None:
             code = await asyncio.to_thread(envoy_child.stop)
             if code not in (0, -signal.SIGTERM, None):
@@ -216,17 +219,51 @@ async def run_sidecar_only(
             await server.start()
             server.start_background()
             source = ", ".join(map(str, replicas)) if replicas else "the etcd registry (EDS)"
-            print(
-                f"ready: sidecar serving ext_proc, access log and EDS on {bind}; replicas from {source}; "
-                f"etcd {etcd}{_telemetry_note(telemetry)}",
-                flush=True,
+            where = f"sidecar serving ext_proc, access log and EDS on {bind}; replicas from {source}"
+            announcer = asyncio.ensure_future(
+                _announce_readiness(server, where, f"etcd {etcd}{_telemetry_note(telemetry)}")
             )
-            await stop.wait()
+            try:
+                await stop.wait()
+            finally:
+                announcer.cancel()
         return 0
     finally:
         await server.stop()
         await store.close()
         telemetry.shutdown()
+
+
+async def _announce_readiness(server: SidecarServer, where: str, tail: str) -> None:
+    """On stdout, once: `ready: ...` when there is a replica to send requests to, after `waiting for
+    replicas: ...` if at start there was none (the readiness probe answers 503 meanwhile). Supervisors and
+    tests wait for the `ready:` line; the waiting line never contains that word. Later changes go to the log:
+    a supervisor's stdout pipe that nobody reads any more must never fill up and block the gateway."""
+    replicas = server.services.readiness.replicas
+    was_ready: bool | None = None
+    said_ready = False
+    while True:
+        problem = replicas.problem() if replicas is not None else None
+        ready = problem is None
+        if ready != was_ready:
+            routable = ", ".join(replicas.routable()) if replicas is not None else "no replica"
+            if ready and not said_ready:
+                print(f"ready: {where}; sending to {routable}; {tail}", flush=True)
+                said_ready = True
+            elif problem is not None and was_ready is None:
+                print(
+                    f"waiting for replicas: {where}; {problem.message}; the readiness probe answers 503 "
+                    f"({problem.code}) until there is one; {tail}",
+                    flush=True,
+                )
+            elif problem is not None:
+                log.warning(
+                    "not ready: %s; the readiness probe answers 503 (%s)", problem.message, problem.code
+                )
+            else:
+                log.warning("ready again: sending to %s", routable)
+            was_ready = ready
+        await asyncio.sleep(READINESS_POLL_SECONDS)
 
 
 def _telemetry(metrics: MetricsListen | None, instance_id: str) -> TelemetryRuntime:

@@ -41,16 +41,20 @@ def _header(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Show a logical request's journal record as a timeline: the request and each attempt "
-        "side by side, times relative to admission, and what the client got.",
-    )
+DESCRIPTION = (
+    "show a logical request's journal record as a timeline: the request and each attempt side by side, "
+    "times relative to admission, and what the client got"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `router-sidecar trace` (the product's parser adds them to its subcommand)."""
     parser.add_argument("request_id", nargs="?", metavar="REQUEST_ID", help="the request's id (x-request-id)")
     parser.add_argument(
         "--gateway",
+        type=_gateway_url,
         default=os.environ.get("ROUTER_SIDECAR_GATEWAY") or DEFAULT_GATEWAY,
+        metavar="URL",
         help=f"the gateway's client-facing URL (default $ROUTER_SIDECAR_GATEWAY or {DEFAULT_GATEWAY})",
     )
     parser.add_argument(
@@ -73,8 +77,29 @@ def _parser() -> argparse.ArgumentParser:
         "--file", metavar="PATH", help="render a saved record instead of fetching ('-': stdin)"
     )
     parser.add_argument("--no-color", action="store_true", help="no colours (default: only on a terminal)")
-    parser.add_argument("--width", type=int, help="text width (default: the terminal's, else 110)")
+    parser.add_argument(
+        "--width", type=_width_value, help="text width, at least 40 (default: the terminal's, else 110)"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
     return parser
+
+
+def _gateway_url(text: str) -> str:
+    try:
+        _gateway_base(text)
+    except TraceError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL, e.g. {DEFAULT_GATEWAY}") from None
+    return text
+
+
+def _width_value(text: str) -> int:
+    if not text.isdigit() or int(text) < 40:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a width; expected a number of columns >= 40")
+    return int(text)
 
 
 def _is_loopback(host: str) -> bool:
@@ -220,7 +245,11 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show the record `args` name: 0, or 1 with a one-line reason on stderr."""
     try:
         output = _run(args)
     except TraceError as exc:

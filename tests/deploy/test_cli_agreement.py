@@ -159,7 +159,7 @@ def test_gateway_envoy_config_validates(rendered: dict[str, list[Obj]], tmp_path
     )
     args = list(container(spec, "envoy-config")["args"])
     mounts = {"/etc/router-sidecar/policy.yaml": str(DEPLOY / "base" / "policy.yaml")}
-    args[args.index("--config") + 1] = mounts[args[args.index("--config") + 1]]
+    args[args.index("--policy") + 1] = mounts[args[args.index("--policy") + 1]]
     output = tmp_path / "envoy.yaml"
     args[args.index("--output") + 1] = str(output)
     with contextlib.redirect_stdout(io.StringIO()):

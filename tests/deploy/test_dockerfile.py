@@ -141,7 +141,8 @@ def test_copied_files_exist_and_reach_the_context() -> None:
 def test_context_is_small() -> None:
     kept = context_files()
     assert "router_sidecar/runtime/cli.py" in kept and "envoy/gateway.yaml" in kept
-    assert not [f for f in kept if f.startswith(("tests/", "bench/", "deploy/", ".ci/"))]
+    # The testbed is its own distribution: not in the image's context, so not in the image.
+    assert not [f for f in kept if f.startswith(("tests/", "bench/", "deploy/", ".ci/", "testbed/"))]
 
 
 def test_final_stage_is_non_root_without_build_tools(rendered: dict[str, list[Obj]]) -> None:
@@ -234,4 +235,4 @@ def test_package_from_the_build_context_carries_the_templates(tmp_path: Path) ->
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert "router_sidecar/runtime/cli.py" in names
     assert {"router_sidecar/envoy/gateway.yaml", "router_sidecar/envoy/replica.yaml"} <= names
-    assert not any(n.startswith("envoy/") for n in names)
+    assert not any(n.startswith(("envoy/", "router_testbed/")) for n in names)

@@ -209,7 +209,7 @@ def test_gateway_pod_wiring(rendered: dict[str, list[Obj]]) -> None:
         args = c["args"]
         return args[args.index(name) + 1]
 
-    bind = flag(sidecar, "--bind")
+    bind = flag(sidecar, "--listen")
     assert bind == "unix:" + flag(init, "--sidecar-socket")
     probe = " ".join(sidecar["startupProbe"]["exec"]["command"])
     assert repr(flag(init, "--sidecar-socket")) in probe
@@ -224,7 +224,7 @@ def test_gateway_pod_wiring(rendered: dict[str, list[Obj]]) -> None:
     for path in (flag(init, "--sidecar-socket"), flag(init, "--admin-socket")):
         assert mounted(sidecar, path) == mounted(envoy, path)
     assert mounted(init, flag(init, "--output")) == mounted(envoy, flag(envoy, "-c"))
-    assert mounted(init, flag(init, "--config")) == mounted(sidecar, flag(sidecar, "--config"))
+    assert mounted(init, flag(init, "--policy")) == mounted(sidecar, flag(sidecar, "--policy"))
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert "emptyDir" in volumes[mounted(envoy, flag(init, "--sidecar-socket"))]
 

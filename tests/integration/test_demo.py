@@ -1,4 +1,4 @@
-"""`router-sidecar demo --fast` end to end, exactly as a user runs it: the stack comes up, the drill runs
+"""`router-testbed demo --fast` end to end, exactly as a user runs it: the stack comes up, the drill runs
 every scenario the simulator can fault, every one passes, and the report it leaves behind is complete."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _unused(replica: str) -> tuple[int, str]:
 def test_demo_fast_passes_every_scenario() -> None:
     env = {**os.environ, "NO_COLOR": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router_sidecar", "demo", "--fast"],
+        [sys.executable, "-m", "router_testbed", "demo", "--fast"],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,

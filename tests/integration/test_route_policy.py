@@ -81,7 +81,7 @@ def test_a_bad_route_policy_stops_the_gateway_at_start(etcd: str, tmp_path: Path
     config.write_text(yaml.safe_dump(bad))
     gateway = ["gateway", "--listen", f"127.0.0.1:{free_port()}", "--replica", "127.0.0.1:9"]
     result = subprocess.run(
-        [PYTHON, "-m", "router_sidecar", *gateway, "--etcd", etcd, "--config", str(config)],
+        [PYTHON, "-m", "router_sidecar", *gateway, "--etcd", etcd, "--policy", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -103,7 +103,7 @@ def test_an_envoy_config_carrying_a_bad_overlay_gets_a_clear_500(
     rendered = subprocess.run(
         [PYTHON, "-m", "router_sidecar", "envoy-config", "--listen", f"127.0.0.1:{port}"]
         + ["--sidecar-socket", str(sock), "--admin-socket", str(tmp_path / "admin.sock")]
-        + ["--access-log", str(tmp_path / "access.log"), "--config", str(policy)]
+        + ["--access-log", str(tmp_path / "access.log"), "--policy", str(policy)]
         + [arg for s in sims.values() for arg in ("--replica", s.endpoint)],
         capture_output=True,
         text=True,
@@ -120,7 +120,7 @@ def test_an_envoy_config_carrying_a_bad_overlay_gets_a_clear_500(
     entry["value"] = json.dumps({"limits": {"max_event_bytes": 4096}})  # gateway-wide: not per route
     envoy_yaml = tmp_path / "envoy.yaml"
     envoy_yaml.write_text(yaml.safe_dump(config))
-    serve = ["serve", "--bind", f"unix:{sock}", "--etcd", etcd, "--config", str(policy)]
+    serve = ["serve", "--listen", f"unix:{sock}", "--etcd", etcd, "--policy", str(policy)]
     serve += [arg for s in sims.values() for arg in ("--replica", s.endpoint)]
     sidecar = Child("sidecar", [PYTHON, "-m", "router_sidecar", *serve], log_path=tmp_path / "sidecar.out")
     envoy: Child | None = None

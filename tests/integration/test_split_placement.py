@@ -63,7 +63,7 @@ def test_serve_plus_rendered_envoy_serves_and_probes(own_etcd: tuple[Child, str]
         "--output",
         str(config),
     )
-    serve = ["serve", "--bind", f"unix:{socket_path}", "--etcd", etcd, "--replica", sim.endpoint]
+    serve = ["serve", "--listen", f"unix:{socket_path}", "--etcd", etcd, "--replica", sim.endpoint]
     sidecar = Child("sidecar", [PYTHON, "-m", "router_sidecar", *serve], log_path=tmp_path / "sidecar.out")
     envoy: Child | None = None
     try:
@@ -151,7 +151,7 @@ def test_envoy_config_without_replicas_takes_them_from_the_sidecar() -> None:
 def test_envoy_config_rejects_a_bad_policy(tmp_path: Path) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text("budgets: {retry_budget_percent: 500}\n")
-    render = ["envoy-config", "--config", str(policy), "--listen", "0.0.0.0:8080"]
+    render = ["envoy-config", "--policy", str(policy), "--listen", "0.0.0.0:8080"]
     render += ["--sidecar-socket", "/s", "--admin-socket", "/a"]
     result = subprocess.run(
         [sys.executable, "-m", "router_sidecar", *render],

@@ -329,7 +329,12 @@ def test_a_duplicate_waits_for_a_slow_call_longer_than_five_seconds(
     config = tmp_path / "policy.yaml"
     config.write_text(WAITING_POLICY)
     gateway = Gateway(
-        replicas=[], etcd=etcd, work=tmp_path, config=config, tools=(f"payments={toolsvc.address}",)
+        replicas=[],
+        etcd=etcd,
+        work=tmp_path,
+        config=config,
+        tools=(f"payments={toolsvc.address}",),
+        up_line=b"waiting for replicas:",  # tools only: no inference replica, so not ready (docs/cli.md)
     )
     try:
         key = "slow:call_01"

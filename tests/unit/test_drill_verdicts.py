@@ -907,3 +907,121 @@ def test_a_retry_on_the_same_replica_is_noted() -> None:
     verdict = v.judge_retried(v.Evidence([streamed(answer(), same)]))
     assert verdict.passed
     assert verdict.notes == [f"the retry ran on the same replica ({REPLICA_A}): no other was healthy then"]
+
+
+# --- another gateway: what only router-sidecar keeps is not applicable, never a violation -------------
+
+
+def test_against_another_gateway_the_journal_and_frame_fields_are_not_applicable() -> None:
+    # Any gateway's terminal error is honest if it is explicit: one error event, then [DONE].
+    other_frame = b'data: {"error": {"message": "upstream went away"}}\n\n'
+    x = streamed([role(), content(1), content(2), content(3), other_frame, DONE], None)
+    verdict = v.judge_frame_after_first_delta(
+        v.Evidence([x], expect={"content_before_fault": 3}, router_sidecar=False)
+    )
+    assert verdict.passed, failed_checks(verdict)
+    assert [c.what for c in verdict.checks if c.ok is None] == [
+        "client: the frame says code=upstream_decode_interrupted, this request_id, partial_output=true, "
+        "retryable=false",
+        "client: the frame's delivered_output_tokens equals what the client got",
+        f"journal: the record of {KEY} and every check that reads it",
+    ]
+    assert {c.seen for c in verdict.checks if c.ok is None} == {v.NOT_ROUTER_SIDECAR}
+    # The silent cut stays a violation whoever the gateway is.
+    cut = streamed([role(), content(1), content(2), content(3)], None)
+    verdict = v.judge_frame_after_first_delta(
+        v.Evidence([cut], expect={"content_before_fault": 3}, router_sidecar=False)
+    )
+    assert [what for what, _ in failed_checks(verdict)] == [
+        "client: exactly one terminal error frame, then [DONE], last"
+    ]
+
+
+def test_all_replicas_failing_behind_another_gateway_needs_one_json_error_with_any_code() -> None:
+    x = json_error(503, {"message": "no healthy upstream", "code": "service_unavailable"}, header=None)
+    verdict = v.judge_all_replicas_fail(
+        v.Evidence([x], expect={"code": "retries_exhausted"}, router_sidecar=False)
+    )
+    assert verdict.passed, failed_checks(verdict)
+    assert "client: HTTP 502/503, code retries_exhausted" in [c.what for c in verdict.checks if c.ok is None]
+
+
+def test_a_retry_behind_another_gateway_needs_the_replicas_account() -> None:
+    def judged(records: list[dict[str, Any]]) -> v.Verdict:
+        x = streamed(answer(), None, replica_records=records)
+        return v.judge_retried(v.Evidence([x], sim=True, router_sidecar=False))
+
+    assert "give the replicas' logs" in (judged([]).inconclusive or "")
+    never_fired = replica_end("a1", outcome="completed", written=8)
+    assert "x-envoy-attempt-count" in (judged(never_fired).inconclusive or "")
+    retried = [
+        *replica_end("a1", outcome="fault:reset", written=0, faults=["reset@role"]),
+        *replica_end("a2", outcome="completed", written=8),
+    ]
+    verdict = judged(retried)
+    assert verdict.passed and verdict.inconclusive is None, failed_checks(verdict)
+    not_retried = replica_end("a1", outcome="fault:reset", written=0, faults=["reset@role"])
+    assert [w for w, _ in failed_checks(judged(not_retried))] == [
+        "replica log: the fault fired on an attempt before any content; another attempt wrote the answer"
+    ]
+
+
+def _target(*, simulator: bool, router_sidecar: bool) -> Any:
+    from router_testbed.drill.cli import Target
+
+    return Target("tiny", simulator, router_sidecar)
+
+
+HOOK_NEEDS_JOURNAL = "not router-sidecar: its hook finds the serving replica in router-sidecar's journal"
+
+
+def test_what_does_not_apply_to_the_gateway_behind_the_url_is_not_applicable() -> None:
+    from router_testbed.drill.cli import applicable
+
+    mode, chosen = select(Options("http://h"), Hooks())
+    # Not the simulator and no --fault-mode: no fault; what needs one is N/A, with why.
+    mode, runnable, skipped = applicable(
+        chosen, mode, _target(simulator=False, router_sidecar=True), Hooks(), None
+    )
+    assert mode == "none"
+    assert [s.name for s in runnable] == ["healthy", "client-disconnect", "duplicate-key", "malformed-input"]
+    assert {r.scenario.name for r in skipped} == {s.name for s in chosen} - {s.name for s in runnable}
+    assert all(r.status == "N/A" and "x-sim-replica" in (r.not_applicable or "") for r in skipped)
+    # The simulator behind another gateway: its faults run; router-sidecar's own promises do not apply.
+    hooks = Hooks(functions={"freeze": lambda r: (0, ""), "thaw": lambda r: (0, "")})
+    mode, chosen = select(Options("http://h", fault_mode="sim"), hooks)
+    mode, runnable, skipped = applicable(
+        chosen, mode, _target(simulator=True, router_sidecar=False), hooks, None
+    )
+    assert mode == "sim" and "dies-in-prefill" in [s.name for s in runnable]
+    assert {r.scenario.name: r.not_applicable for r in skipped} == {
+        "duplicate-key": "not router-sidecar: one request per Idempotency-Key (409 for a duplicate) is "
+        "router-sidecar's",
+        "frozen-in-prefill": HOOK_NEEDS_JOURNAL,
+        "frozen-after-first-delta": HOOK_NEEDS_JOURNAL,
+    }
+
+
+def test_the_report_counts_what_applied() -> None:
+    from router_testbed.drill.report import all_passed, summary_line
+    from router_testbed.drill.scenarios import not_applicable
+
+    healthy = v.judge_healthy(v.Evidence([streamed(answer(), None)], router_sidecar=False))
+    passed = Result(BY_NAME["healthy"], healthy, v.Evidence([]), "none", 0.5)
+    skipped = not_applicable(BY_NAME["duplicate-key"], "none", "not router-sidecar: ...")
+    assert (passed.status, skipped.status) == ("PASS", "N/A")
+    assert all_passed([passed, skipped]) and not all_passed([skipped])
+    assert (
+        summary_line([passed, skipped], 1.0)
+        == "1/1 scenarios passed (1 not applicable to this gateway) in 1.0s"
+    )
+    table = verdict_table([passed, skipped])
+    assert re.search(r"^  healthy +none +PASS +5/5 \+1 N/A ", table, re.MULTILINE), table
+    assert "N/A duplicate-key: not router-sidecar: ..." in table
+
+
+def test_an_openai_style_base_url_is_taken() -> None:
+    from router_testbed.drill.cli import gateway_base
+
+    assert gateway_base("http://gw:8080/v1/") == gateway_base("http://gw:8080") == "http://gw:8080"
+    assert gateway_base("https://api.example.com/openai/v1") == "https://api.example.com/openai"

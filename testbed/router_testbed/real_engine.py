@@ -1,4 +1,4 @@
-"""Real engines for the real-engine test tier and `router-sidecar demo --real-vllm`: vLLM and SGLang.
+"""Real engines for the real-engine test tier and `router-testbed demo --real-vllm`: vLLM and SGLang.
 
 One replica is one engine server (from its own venv, built by ``make real-setup``) in its own session/process
 group, on 127.0.0.1, with every temp file, IPC socket and cache inside its own temp dir, and thread settings
@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from router_sidecar.runtime.supervise import _die_with_parent, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: testbed/router_testbed/real_engine.py
 VLLM_VENV = REPO / ".venv-vllm"
 SGLANG_VENV = REPO / ".venv-sglang"
 TINY_MODEL = REPO / ".tools" / "tiny-model"

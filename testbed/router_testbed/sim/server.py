@@ -621,6 +621,8 @@ class Simulator:
         }
         if h.get("traceparent"):  # the W3C trace context the gateway sent for this attempt
             record["traceparent"] = h.get("traceparent")
+        if h.get("idempotency-key"):  # the client's key, if the gateway passed it on: how the drill finds a
+            record["idempotency_key"] = h.get("idempotency-key")  # request behind a gateway without a journal
         error: tuple[int, bytes] | None = None
         greq: gen.GenRequest | None = None
         clauses: list[Clause] = []
@@ -675,7 +677,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="router-sidecar sim", description="vLLM 0.32 / SGLang 0.5.23 replica simulator"
+        prog="router-testbed sim", description="vLLM 0.32 / SGLang 0.5.23 replica simulator"
     )
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--name", default=None, help="replica name (default: the listen address)")

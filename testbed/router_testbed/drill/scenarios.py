@@ -10,6 +10,11 @@ its fault:
 * ``hooks``: shell hooks against real replicas (``--kill-cmd``, ``--freeze-cmd``/``--thaw-cmd``);
 * ``none``: no fault at all; only scenarios that need none.
 
+Against a gateway that is not router-sidecar, the scenarios whose promise is router-sidecar's own (one
+request per Idempotency-Key, tool calls replayed by key) and those whose hook finds the serving replica in
+its journal are not applicable; the others run, and their verdicts skip what only router-sidecar keeps
+(`verdicts.Verdict.router_sidecar`).
+
 A driver sends the requests and records evidence (`client.py`); the judge (`verdicts.py`) decides.
 """
 
@@ -49,6 +54,7 @@ class Context:
     long_tokens: int = 400  # a stream long enough to be cut mid-way on a real engine
     oversize_bytes: int = 4 * 1024 * 1024 + 1024
     timeout: float = 30.0
+    router_sidecar: bool = True  # the gateway keeps router-sidecar's journal (found by the pre-flight)
 
     @property
     def sim(self) -> bool:
@@ -105,6 +111,16 @@ class Scenario:
     needs_fault: bool = True  # False: runs in every mode without any fault
     needs_tool: bool = False
     expect: dict[str, Any] = field(default_factory=dict)  # passed to the judge (what the fault leads to)
+    # Why its promise is router-sidecar's own, not one any gateway makes (None: any gateway's).
+    router_sidecar_only: str | None = None
+
+    def needs_router_sidecar(self, mode: str) -> str | None:
+        """Why it cannot be judged against another gateway in `mode`, or None when it can."""
+        if self.router_sidecar_only is not None:
+            return self.router_sidecar_only
+        if self.needs_fault and (self.sim_hooks if mode == "sim" else self.hooks if mode == "hooks" else ()):
+            return "its hook finds the serving replica in router-sidecar's journal"
+        return None
 
     def runs_in(self, mode: str, hooks: Hooks, tool: str | None) -> tuple[bool, str]:
         """Whether it runs in this mode, and if not, why (for a clear usage error)."""
@@ -449,6 +465,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         v.judge_duplicate_key,
         sim_fault="delay@after:1 for=1",
         needs_fault=False,
+        router_sidecar_only="one request per Idempotency-Key (409 for a duplicate) is router-sidecar's",
     ),
     Scenario(
         "malformed-input",
@@ -475,6 +492,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         v.judge_tool_replay,
         needs_fault=False,
         needs_tool=True,
+        router_sidecar_only="tool calls replayed by Idempotency-Key under /tools/ are router-sidecar's",
     ),
     Scenario(
         "frozen-in-prefill",
@@ -528,20 +546,39 @@ class Result:
     evidence: v.Evidence
     fault: str
     seconds: float
+    not_applicable: str | None = None  # why it was not run against this gateway (then never a violation)
 
     @property
     def passed(self) -> bool:
-        return self.verdict.passed
+        return self.not_applicable is None and self.verdict.passed
+
+    @property
+    def violated(self) -> bool:
+        return self.not_applicable is None and not self.verdict.passed
+
+    @property
+    def status(self) -> str:
+        return "N/A" if self.not_applicable is not None else "PASS" if self.verdict.passed else "FAIL"
+
+
+def not_applicable(sc: Scenario, mode: str, why: str) -> Result:
+    return Result(sc, v.Verdict(), v.Evidence([]), sc.fault_in(mode), 0.0, not_applicable=why)
 
 
 def run_scenario(ctx: Context, sc: Scenario) -> Result:
     started = time.monotonic()
     try:
         evidence = sc.drive(ctx, sc)
+        evidence.router_sidecar = ctx.router_sidecar
         verdict = sc.judge(evidence)
     except Exception as exc:  # a driver that broke is a failed scenario with its reason, not a crash
-        evidence = v.Evidence([], sim=ctx.sim)
-        verdict = v.Verdict()
+        evidence = v.Evidence([], sim=ctx.sim, router_sidecar=ctx.router_sidecar)
+        verdict = v.Verdict(router_sidecar=ctx.router_sidecar)
         verdict.check("the scenario ran", False, f"the drill's driver raised {type(exc).__name__}: {exc}")
     verdict.notes[:0] = evidence.notes
-    return Result(sc, verdict, evidence, sc.fault_in(ctx.mode), time.monotonic() - started)
+    # Inconclusive (the fault's effect cannot be seen behind this gateway) is not a pass; a failed check is
+    # still a violation.
+    inconclusive = verdict.inconclusive if not verdict.failed else None
+    return Result(
+        sc, verdict, evidence, sc.fault_in(ctx.mode), time.monotonic() - started, not_applicable=inconclusive
+    )

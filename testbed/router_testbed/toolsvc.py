@@ -282,7 +282,7 @@ async def serve(host: str, port: int, name: str | None, log_path: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m router_testbed.toolsvc", description="test tool service")
+    p = argparse.ArgumentParser(prog="router-testbed toolsvc", description="test tool service")
     p.add_argument("--listen", required=True, type=parse_listen, help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--log", required=True, help="JSONL execution log (appended)")
     p.add_argument("--name", default=None, help="service name (default: the listen address)")

@@ -1,4 +1,4 @@
-"""`router-sidecar drill --gateway URL`: the failure scenarios against a running deployment, judged.
+"""`router-testbed drill --gateway URL`: the failure scenarios against a running deployment, judged.
 
 The scenario matrix (`scenarios.py`) sends requests through the gateway with faults injected into the
 replicas (the simulator's ``x-sim-fault`` header, or shell hooks against real replicas), records the exact

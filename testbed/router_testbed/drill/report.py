@@ -52,28 +52,47 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def all_passed(results: Sequence[Result]) -> bool:
+    """The run's verdict: no violation, and at least one scenario judged (N/A ones are neither)."""
+    return any(r.passed for r in results) and not any(r.violated for r in results)
+
+
+def checks_cell(r: Result) -> str:
+    """Checks passed of those that apply, and how many did not apply to this gateway."""
+    if r.not_applicable is not None:
+        return "—"
+    applicable = r.verdict.applicable
+    cell = f"{sum(bool(c.ok) for c in applicable)}/{len(applicable)}"
+    skipped = len(r.verdict.checks) - len(applicable)
+    return cell + (f" +{skipped} N/A" if skipped else "")
+
+
 def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
-    """The verdict table, then every failed check with what was seen, then the notes."""
+    """The verdict table, then every failed check with what was seen, then why a scenario did not apply,
+    then the notes."""
     s = style or Style(False)
     name_w = max([len("scenario"), *(len(r.scenario.name) for r in results)])
     fault_w = 46
-    header = f"  {'scenario':<{name_w}}  {'fault':<{fault_w}}  verdict  checks    time"
+    header = f"  {'scenario':<{name_w}}  {'fault':<{fault_w}}  verdict  {'checks':>12}    time"
     lines = [s.bold(header)]
+    marks = {"PASS": s.green("PASS   "), "FAIL": s.red("FAIL   "), "N/A": s.dim("N/A    ")}
     for r in results:
-        ok = sum(c.ok for c in r.verdict.checks)
-        mark = s.green("PASS   ") if r.passed else s.red("FAIL   ")
         lines.append(
-            f"  {r.scenario.name:<{name_w}}  {_cut(r.fault, fault_w):<{fault_w}}  {mark}  "
-            f"{f'{ok}/{len(r.verdict.checks)}':>6}  {r.seconds:5.1f}s"
+            f"  {r.scenario.name:<{name_w}}  {_cut(r.fault, fault_w):<{fault_w}}  {marks[r.status]}  "
+            f"{checks_cell(r):>12}  {r.seconds:5.1f}s"
         )
     for r in results:
-        if r.passed:
+        if not r.violated:
             continue
         lines.append("")
         lines.append(s.red(f"FAIL {r.scenario.name}") + f" ({r.scenario.title}): {r.scenario.promise}")
         for c in r.verdict.failed:
             lines.append(f"  ✗ {c.what}")
             lines.append(s.dim(f"      seen: {c.seen}"))
+    skipped = [r for r in results if r.not_applicable is not None]
+    if skipped:
+        lines.append("")
+        lines += [s.dim(f"N/A {r.scenario.name}: {r.not_applicable}") for r in skipped]
     notes = [(r.scenario.name, n) for r in results for n in r.verdict.notes]
     if notes:
         lines.append("")
@@ -82,9 +101,13 @@ def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
 
 
 def summary_line(results: Sequence[Result], seconds: float) -> str:
-    passed = sum(r.passed for r in results)
-    failed = [r.scenario.name for r in results if not r.passed]
-    line = f"{passed}/{len(results)} scenarios passed in {seconds:.1f}s"
+    judged = [r for r in results if r.not_applicable is None]
+    passed = sum(r.passed for r in judged)
+    failed = [r.scenario.name for r in judged if r.violated]
+    skipped = len(results) - len(judged)
+    line = f"{passed}/{len(judged)} scenarios passed"
+    line += f" ({skipped} not applicable to this gateway)" if skipped else ""
+    line += f" in {seconds:.1f}s"
     return line + (f"; violated: {', '.join(failed)}" if failed else "")
 
 
@@ -99,17 +122,19 @@ class RunInfo:
     run_id: str
     started_at: float
     seconds: float
+    router_sidecar: bool = True  # the gateway keeps router-sidecar's journal
 
 
 def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
     return {
         "gateway": info.gateway,
+        "router_sidecar": info.router_sidecar,
         "fault_mode": info.fault_mode,
         "model": info.model,
         "run_id": info.run_id,
         "started_at": info.started_at,
         "seconds": round(info.seconds, 3),
-        "passed": bool(results) and all(r.passed for r in results),
+        "passed": all_passed(results),
         "scenarios": [
             {
                 "name": r.scenario.name,
@@ -117,6 +142,8 @@ def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
                 "promise": r.scenario.promise,
                 "source": r.scenario.source,
                 "fault": r.fault,
+                "verdict": r.status,
+                "not_applicable": r.not_applicable,
                 "passed": r.passed,
                 "seconds": round(r.seconds, 3),
                 "checks": [c.to_json() for c in r.verdict.checks],
@@ -126,6 +153,11 @@ def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
             for r in results
         ],
     }
+
+
+def _badge(status: str) -> str:
+    """The CSS class of a verdict: PASS, FAIL, NA."""
+    return "NA" if status == "N/A" else status
 
 
 # --- the timeline picture -----------------------------------------------------------------------------
@@ -477,11 +509,12 @@ table.summary{border-collapse:collapse;width:100%;margin:12px 0}
 table.summary td,table.summary th{border-bottom:1px solid #e3e3e3;padding:4px 6px;text-align:left;
 vertical-align:top}
 .badge{font-weight:600;padding:1px 7px;border-radius:3px;color:#fff}
-.PASS{background:#4cae4c} .FAIL{background:#d9534f}
+.PASS{background:#4cae4c} .FAIL{background:#d9534f} .NA{background:#999}
 section{border-top:2px solid #eee} section.fail{border-top-color:#d9534f}
 ul.checks{list-style:none;padding-left:0} ul.checks li{margin:2px 0}
 li.ok::before{content:"\\2713  ";color:#4cae4c}
 li.bad::before{content:"\\2717  ";color:#d9534f;font-weight:700}
+li.na::before{content:"\\2013  ";color:#999} li.na{color:#777}
 li.bad{color:#a02622} .seen{color:#666;font-size:12.5px;display:block;margin-left:20px}
 .note{color:#8a6d3b} figure{margin:10px 0 4px} figcaption{font-size:13px;color:#444;margin-bottom:2px}
 pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
@@ -558,46 +591,51 @@ def _exchange_html(x: Exchange) -> str:
 def _checks_html(checks: Iterable[Any]) -> str:
     items = []
     for c in checks:
-        cls = "ok" if c.ok else "bad"
-        items.append(f'<li class="{cls}">{_e(c.what)}<span class="seen">seen: {_e(c.seen)}</span></li>')
+        cls = "na" if c.ok is None else "ok" if c.ok else "bad"
+        seen = f"not applicable: {c.seen}" if c.ok is None else f"seen: {c.seen}"
+        items.append(f'<li class="{cls}">{_e(c.what)}<span class="seen">{_e(seen)}</span></li>')
     return '<ul class="checks">' + "".join(items) + "</ul>"
 
 
 def html_report(info: RunInfo, results: Sequence[Result]) -> str:
-    passed = sum(r.passed for r in results)
-    verdict = "PASS" if results and passed == len(results) else "FAIL"
+    judged = [r for r in results if r.not_applicable is None]
+    passed = sum(r.passed for r in judged)
+    verdict = "PASS" if all_passed(results) else "FAIL"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started_at))
     rows = []
     for r in results:
-        v = "PASS" if r.passed else "FAIL"
-        first = r.verdict.failed[0].what if r.verdict.failed else ""
-        ok = sum(c.ok for c in r.verdict.checks)
+        v = r.status
+        first = r.verdict.failed[0].what if r.verdict.failed else r.not_applicable or ""
         rows.append(
             f'<tr><td><a href="#{_e(r.scenario.name)}">{_e(r.scenario.name)}</a></td>'
-            f'<td>{_e(r.fault)}</td><td><span class="badge {v}">{v}</span></td>'
-            f"<td>{ok}/{len(r.verdict.checks)}</td><td>{r.seconds:.1f}s</td><td>{_e(first)}</td></tr>"
+            f'<td>{_e(r.fault)}</td><td><span class="badge {_badge(v)}">{v}</span></td>'
+            f"<td>{_e(checks_cell(r))}</td><td>{r.seconds:.1f}s</td><td>{_e(first)}</td></tr>"
         )
     sections = []
     for r in results:
-        v = "PASS" if r.passed else "FAIL"
+        v = r.status
         notes = "".join(f'<p class="note">note: {_e(n)}</p>' for n in r.verdict.notes)
+        why = f'<p class="note">not applicable: {_e(r.not_applicable)}</p>' if r.not_applicable else ""
         sections.append(
-            f'<section id="{_e(r.scenario.name)}" class="{v.lower()}">'
-            f'<h2>{_e(r.scenario.name)} — {_e(r.scenario.title)} <span class="badge {v}">{v}</span></h2>'
+            f'<section id="{_e(r.scenario.name)}" class="{_badge(v).lower()}">'
+            f"<h2>{_e(r.scenario.name)} — {_e(r.scenario.title)} "
+            f'<span class="badge {_badge(v)}">{v}</span></h2>'
             f"<p><b>Promise</b> ({_e(r.scenario.source)}): {_e(r.scenario.promise)}</p>"
             f"<p><b>Fault</b>: {_e(r.fault)} · {r.seconds:.1f}s</p>"
-            f"{_checks_html(r.verdict.checks)}{notes}"
+            f"{why}{_checks_html(r.verdict.checks)}{notes}"
             + "".join(_exchange_html(x) for x in r.evidence.exchanges)
             + "</section>"
         )
+    kind = "router-sidecar (journal judged)" if info.router_sidecar else "not router-sidecar (no journal)"
+    applies = f" ({len(results) - len(judged)} not applicable)" if len(judged) < len(results) else ""
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>router-sidecar drill: {verdict} ({passed}/{len(results)})</title>"
+        f"<title>router-testbed drill: {verdict} ({passed}/{len(judged)})</title>"
         f"<style>{CSS}</style></head><body>"
-        f"<h1>router-sidecar drill: {passed}/{len(results)} scenarios passed "
+        f"<h1>router-testbed drill: {passed}/{len(judged)} scenarios passed{applies} "
         f'<span class="badge {verdict}">{verdict}</span></h1>'
-        f'<p class="meta">gateway {_e(info.gateway)} · fault mode {_e(info.fault_mode)} · model '
-        f"{_e(info.model)} · run {_e(info.run_id)} · {when} · {info.seconds:.1f}s</p>"
+        f'<p class="meta">gateway {_e(info.gateway)} ({_e(kind)}) · fault mode {_e(info.fault_mode)} · '
+        f"model {_e(info.model)} · run {_e(info.run_id)} · {when} · {info.seconds:.1f}s</p>"
         '<table class="summary"><tr><th>scenario</th><th>fault</th><th>verdict</th><th>checks</th>'
         "<th>time</th><th>first violation</th></tr>"
         + "".join(rows)

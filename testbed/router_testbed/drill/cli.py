@@ -1,7 +1,13 @@
-"""`router-sidecar drill --gateway URL`: options, the pre-flight check, the run, the reports, the exit code.
+"""`router-testbed drill --gateway URL`: options, the pre-flight check, the run, the reports, the exit code.
 
-Exit status: 0 when every scenario passed, 1 when any promise was violated, 2 on a usage error or when
-the gateway cannot be used (unreachable, or not the replicas the chosen fault mode needs).
+The gateway may be router-sidecar or any other OpenAI-compatible one (a conformance run for honest
+failover). The pre-flight finds out what is there: whether the replicas behind it are router-testbed's
+simulator (its fault header works) and whether the gateway keeps router-sidecar's journal. What cannot be
+judged against it is reported as not applicable (N/A), never as a violation.
+
+Exit status: 0 when every scenario that applies passed, 1 when any promise was violated, 2 on a usage error
+or when the gateway cannot be used (unreachable, not the replicas an explicit --fault-mode needs, or no
+scenario applies).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from router_testbed.drill.scenarios import (
     SCENARIOS,
     Result,
     Scenario,
+    not_applicable,
     run_order,
 )
 
@@ -63,14 +70,27 @@ class Options:
 def build_parser() -> argparse.ArgumentParser:
     names = ", ".join(s.name for s in SCENARIOS)
     p = argparse.ArgumentParser(
-        prog="router-sidecar drill",
-        description="Run the failure scenarios against a running gateway and judge what the client got, "
-        "the journal and (simulator) the replicas' logs. Exit 0: every promise held; 1: a violation; "
+        prog="router-testbed drill",
+        description="Run the failure scenarios against a running gateway, router-sidecar or any other "
+        "OpenAI-compatible one, and judge what the client got, the journal (router-sidecar's) and "
+        "(simulator) the replicas' logs. Exit 0: every promise that applies held; 1: a violation; "
         "2: usage error or unusable gateway.",
         epilog=f"scenarios: {names}. See docs/drill.md.",
     )
-    p.add_argument("--gateway", required=True, metavar="URL", help="the gateway's client-facing URL")
-    p.add_argument("--credential", default="drill", metavar="TOKEN", help="bearer token (default: drill)")
+    p.add_argument(
+        "--gateway",
+        required=True,
+        metavar="URL",
+        help="the gateway's base URL, http(s)://HOST:PORT (an OpenAI-style base URL ending in /v1 is taken "
+        "too)",
+    )
+    p.add_argument(
+        "--credential",
+        default="drill",
+        metavar="KEY",
+        help="the API key, sent as Authorization: Bearer KEY (default: drill; router-sidecar scopes journal "
+        "look-ups to it)",
+    )
     p.add_argument(
         "--scenario",
         action="append",
@@ -83,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODES,
         default=None,
         help="sim: the simulator's x-sim-fault header; hooks: --kill-cmd/--freeze-cmd against real "
-        "replicas; none: no fault (default: hooks when a hook is given, else sim)",
+        "replicas; none: no fault (default: hooks when a hook is given, else sim when the replicas are the "
+        "simulator, else none, with the scenarios that need a fault reported N/A)",
     )
     p.add_argument("--kill-cmd", metavar="CMD", help="kill a replica: shell command, {replica}=HOST:PORT")
     p.add_argument("--freeze-cmd", metavar="CMD", help="freeze a replica (e.g. SIGSTOP): shell command")
@@ -114,12 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def gateway_base(url: str) -> str:
+    """The URL the drill's paths (/v1/...) go under: an OpenAI-style base URL (`.../v1`) is taken too."""
+    base = url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
 def options_from_args(argv: Sequence[str] | None) -> Options:
     parser = build_parser()
     a = parser.parse_args(argv)
     hooks = {k: c for k, c in (("kill", a.kill_cmd), ("freeze", a.freeze_cmd), ("thaw", a.thaw_cmd)) if c}
     return Options(
-        gateway=a.gateway,
+        gateway=gateway_base(a.gateway),
         credential=a.credential,
         scenarios=list(a.scenario),
         fault_mode=a.fault_mode,
@@ -174,13 +201,24 @@ def _unreachable(gateway: str, exc: Exception) -> UsageError:
     )
 
 
-def preflight(client: Client, options: Options, mode: str) -> str:
-    """Reach the gateway and learn the model; in sim mode, make sure the replicas are the simulator (a real
-    engine ignores x-sim-fault, and every fault scenario would then fail for the wrong reason)."""
+@dataclass(frozen=True)
+class Target:
+    """What the pre-flight found behind --gateway."""
+
+    model: str
+    simulator: bool  # the replicas are router-testbed's simulator: x-sim-fault works
+    router_sidecar: bool  # the gateway keeps router-sidecar's journal (GET /v1/requests/{id})
+
+
+def preflight(client: Client, options: Options, mode: str, run_id: str) -> Target:
+    """Reach the gateway, learn the model, and find out whether the replicas are the simulator and whether
+    the gateway is router-sidecar. An explicit --fault-mode sim needs the simulator (a real engine ignores
+    x-sim-fault, and every fault scenario would then fail for the wrong reason)."""
     import httpx
 
     try:
         response = client.get("/v1/models")
+        router_sidecar = client.keeps_journal(f"drill-{run_id}-probe")
     except httpx.HTTPError as exc:
         raise _unreachable(options.gateway, exc) from None
     model = options.model
@@ -190,14 +228,47 @@ def preflight(client: Client, options: Options, mode: str) -> str:
             model = str(data[0]["id"]) if isinstance(data, list) and data else None
         except (ValueError, AttributeError, KeyError, TypeError):
             model = None
-    if mode == "sim" and "x-sim-replica" not in response.headers:
+    simulator = "x-sim-replica" in response.headers
+    if mode == "sim" and options.fault_mode == "sim" and not simulator:
         raise UsageError(
             f"--fault-mode sim, but the replicas behind {options.gateway} do not look like the simulator "
             f"(GET /v1/models answered HTTP {response.status_code} without its x-sim-replica header), so "
             "the x-sim-fault header would be ignored. Use --fault-mode hooks with --kill-cmd/--freeze-cmd "
             "for real replicas, or --fault-mode none."
         )
-    return model or "tiny"
+    return Target(model or "tiny", simulator, router_sidecar)
+
+
+def applicable(
+    chosen: list[Scenario], mode: str, target: Target, hooks: Hooks, tool: str | None
+) -> tuple[str, list[Scenario], list[Result]]:
+    """The fault mode after the pre-flight, the scenarios to run, and those that do not apply to this
+    gateway (each with why). Without an explicit --fault-mode, replicas that are not the simulator mean no
+    fault: what needs one is not applicable. A gateway that is not router-sidecar cannot be judged on the
+    promises only router-sidecar makes, nor drive a hook that looks the serving replica up in its journal."""
+    na: list[Result] = []
+    if mode == "sim" and not target.simulator:
+        mode = "none"
+        runnable = [s for s in chosen if s.runs_in(mode, hooks, tool)[0]]
+        na += [
+            not_applicable(
+                s,
+                "sim",
+                "needs router-testbed's simulator behind the gateway (x-sim-fault); GET /v1/models came "
+                "without its x-sim-replica header",
+            )
+            for s in chosen
+            if s not in runnable
+        ]
+        chosen = runnable
+    if not target.router_sidecar:
+        na += [
+            not_applicable(s, mode, f"not router-sidecar: {why}")
+            for s in chosen
+            if (why := s.needs_router_sidecar(mode)) is not None
+        ]
+        chosen = [s for s in chosen if s.needs_router_sidecar(mode) is None]
+    return mode, chosen, na
 
 
 def run(
@@ -220,10 +291,10 @@ def run(
     try:
         mode, chosen = select(options, hooks)
     except UsageError as exc:
-        err.write(f"router-sidecar drill: {exc}\n")
+        err.write(f"router-testbed drill: {exc}\n")
         return EXIT_USAGE
     client = Client(
-        options.gateway,
+        gateway_base(options.gateway),
         credential=options.credential,
         timeout=options.timeout,
         replica_logs=options.replica_logs,
@@ -233,10 +304,17 @@ def run(
     results: list[Result] = []
     try:
         try:
-            model = preflight(client, options, mode)
+            target = preflight(client, options, mode, run_id)
         except UsageError as exc:
-            err.write(f"router-sidecar drill: {exc}\n")
+            err.write(f"router-testbed drill: {exc}\n")
             return EXIT_USAGE
+        model = target.model
+        mode, chosen, skipped = applicable(chosen, mode, target, hooks, options.tool)
+        if not chosen:
+            reasons = "; ".join(f"{r.scenario.name}: {r.not_applicable}" for r in skipped)
+            err.write(f"router-testbed drill: no chosen scenario applies to {options.gateway} ({reasons})\n")
+            return EXIT_USAGE
+        client.journal = target.router_sidecar
         ctx = Context(
             client,
             mode,
@@ -247,6 +325,7 @@ def run(
             long_tokens=options.long_tokens,
             oversize_bytes=options.oversize_bytes,
             timeout=options.timeout,
+            router_sidecar=target.router_sidecar,
         )
         progress = Progress(len(chosen), err, enabled=options.progress)
         for scenario in chosen:
@@ -257,16 +336,23 @@ def run(
             if between is not None:
                 between()
         progress.close()
+        results += skipped
     finally:
         client.close()
     seconds = time.monotonic() - started
     color = options.color if options.color is not None else out.isatty() and not os.environ.get("NO_COLOR")
     style = report.Style(color)
-    info = report.RunInfo(options.gateway, mode, model, run_id, started_at, seconds)
-    out.write(f"router-sidecar drill against {options.gateway} (fault mode {mode}, model {model})\n")
+    info = report.RunInfo(options.gateway, mode, model, run_id, started_at, seconds, target.router_sidecar)
+    kind = (
+        "router-sidecar: its journal is judged too"
+        if target.router_sidecar
+        else "not router-sidecar: no journal at /v1/requests/{id}, its checks are N/A"
+    )
+    out.write(f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model}; {kind})\n")
     out.write(report.verdict_table(results, style) + "\n\n")
     line = report.summary_line(results, seconds)
-    out.write((style.green(line) if all(r.passed for r in results) else style.red(line)) + "\n")
+    passed = report.all_passed(results)
+    out.write((style.green(line) if passed else style.red(line)) + "\n")
     if options.report is not None:
         options.report.parent.mkdir(parents=True, exist_ok=True)
         options.report.write_text(report.html_report(info, results), encoding="utf-8")
@@ -276,18 +362,20 @@ def run(
         options.json_path.write_text(json.dumps(report.to_json(info, results), indent=1), encoding="utf-8")
         out.write(f"JSON results: {options.json_path}\n")
     out.flush()
-    return EXIT_PASSED if results and all(r.passed for r in results) else EXIT_VIOLATION
+    return EXIT_PASSED if passed else EXIT_VIOLATION
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         import httpx  # noqa: F401 - the testbed extra; say so instead of a traceback
     except ImportError:
-        sys.stderr.write("router-sidecar drill needs httpx: pip install 'router-sidecar[testbed]'\n")
+        sys.stderr.write(
+            "router-testbed drill needs httpx, a dependency of router-testbed: pip install httpx\n"
+        )
         return EXIT_USAGE
     options = options_from_args(argv)
     try:
         return run(options)
     except KeyboardInterrupt:
-        sys.stderr.write("\nrouter-sidecar drill: interrupted\n")
+        sys.stderr.write("\nrouter-testbed drill: interrupted\n")
         return 130

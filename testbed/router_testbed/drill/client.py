@@ -20,6 +20,8 @@ from router_testbed.sim.log import read_log
 
 POLL_INTERVAL = 0.05
 REPLICA_LOG_WAIT = 5.0  # how long a replica's end record may lag behind the gateway's journal
+# What router-sidecar's journal look-up answers for an id it does not know (docs/errors.md).
+JOURNAL_ANSWERS = frozenset({"request_not_found", "authentication_required", "journal_unavailable"})
 
 # After each complete event: "leave" closes the connection at once (a client disconnect).
 Reaction = Literal["leave"] | None
@@ -42,6 +44,9 @@ class Client:
         self.auth = {"authorization": f"Bearer {credential}"}
         self.timeout = timeout
         self.replica_logs = list(replica_logs)
+        # Whether the gateway keeps router-sidecar's journal (the pre-flight finds out): without one, a
+        # request is not waited for in a journal that will never have it.
+        self.journal = True
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
 
     def close(self) -> None:
@@ -109,6 +114,19 @@ class Client:
     def get(self, path: str) -> httpx.Response:
         return self.http.get(self.gateway + path, headers=self.auth)
 
+    def keeps_journal(self, probe_id: str) -> bool:
+        """Whether the gateway is router-sidecar: its journal look-up answers an unknown id with its own JSON
+        error (request_not_found; or authentication_required, journal_unavailable), where another gateway
+        answers a plain 404 or passes the path on to an engine."""
+        status, answer = self.lookup(probe_id)
+        error = (answer or {}).get("error")
+        return (
+            status in (401, 404, 503)
+            and isinstance(error, dict)
+            and error.get("type") == "gateway_error"
+            and error.get("code") in JOURNAL_ANSWERS
+        )
+
     # --- the journal ---------------------------------------------------------------------------------
 
     def lookup(self, request_id: str) -> tuple[int, dict[str, Any] | None]:
@@ -128,6 +146,9 @@ class Client:
         `expect_record=False`: a request the gateway refused at admission; one look-up says whether a
         record exists, and only an existing, unsettled one is waited for."""
         if x.request_id is None:
+            return x
+        if not self.journal:
+            self.collect_replica_records(x)
             return x
         deadline = time.monotonic() + timeout
         while True:
@@ -154,7 +175,11 @@ class Client:
     def replica_records(self, request_id: str) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
         for path in self.replica_logs:
-            records += [r for r in read_log(path) if r.get("request_id") == request_id]
+            # By the id the gateway sent (router-sidecar's x-request-id), or by the client's own key when
+            # another gateway passed it on.
+            records += [
+                r for r in read_log(path) if request_id in (r.get("request_id"), r.get("idempotency_key"))
+            ]
         return sorted(records, key=lambda r: (r.get("t_start", 0), r.get("event") != "start"))
 
     def collect_replica_records(self, x: Exchange) -> None:

@@ -14,6 +14,11 @@ gateway's journal record and, for simulated replicas, the replica's own log:
 5. a client disconnect cancels the attempt and starts no other;
 8. a request that delivered nothing ends complete or with one JSON error naming the request and why;
 9. the journal's phase, outcome, first_delta_sent and attempts agree with what the client got.
+
+Against a gateway that is not router-sidecar (any other OpenAI-compatible one) the checks that read its
+journal, or hold it to router-sidecar's own vocabulary (error codes, the terminal frame's fields, the
+request id in bodies and headers), are recorded as not applicable (`Check.ok is None`), never as failed:
+what any honest gateway owes its client is judged the same way for every gateway.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from router_testbed.oracle import INTERRUPTED, RAW_REPLICA_ERROR_MARKERS, attemp
 FAILOVER_EVENTS = frozenset({"attempt_failed", "retry_triggered", "replica_lost", "attempt_fenced"})
 
 
+NOT_ROUTER_SIDECAR = "the gateway is not router-sidecar"
+
+
 @dataclass(frozen=True)
 class Check:
     what: str  # what was checked: the promise, in one line
-    ok: bool
+    ok: bool | None  # None: not applicable to this gateway (`seen` says why)
     seen: str  # what was seen
 
     def to_json(self) -> dict[str, Any]:
@@ -46,18 +54,38 @@ class Check:
 class Verdict:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # observations that are not violations
+    # The gateway is router-sidecar: its journal, error codes and frame fields are judged too.
+    router_sidecar: bool = True
+    # Why nothing here shows the scenario's fault took effect (then, with no failed check, the scenario is
+    # not applicable rather than passed: a fault that never fired proves nothing).
+    inconclusive: str | None = None
 
     @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
+        return bool(self.applicable) and all(c.ok for c in self.applicable)
+
+    @property
+    def applicable(self) -> list[Check]:
+        return [c for c in self.checks if c.ok is not None]
 
     @property
     def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
+        return [c for c in self.checks if c.ok is False]
 
     def check(self, what: str, ok: bool, seen: str) -> bool:
         self.checks.append(Check(what, bool(ok), seen))
         return bool(ok)
+
+    def check_router_sidecar(self, what: str, ok: bool, seen: str) -> bool:
+        """A promise of router-sidecar's own (its codes, its frame's fields, its request ids): judged against
+        router-sidecar, recorded as not applicable against another gateway."""
+        if not self.router_sidecar:
+            self.not_applicable(what)
+            return False
+        return self.check(what, ok, seen)
+
+    def not_applicable(self, what: str, why: str = NOT_ROUTER_SIDECAR) -> None:
+        self.checks.append(Check(what, None, why))
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -73,6 +101,7 @@ class Evidence:
     expect: dict[str, Any] = field(default_factory=dict)
     hooks: list[HookRun] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the runner observed while driving the scenario
+    router_sidecar: bool = True  # the gateway keeps router-sidecar's journal and speaks its vocabulary
 
     def get(self, label: str) -> Exchange | None:
         return next((x for x in self.exchanges if x.label == label), None)
@@ -151,7 +180,11 @@ def _lease(attempt: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_record(v: Verdict, x: Exchange) -> bool:
-    """The gateway journaled the request and its record reached a terminal phase."""
+    """The gateway journaled the request and its record reached a terminal phase. Another gateway keeps no
+    journal: this check and every one that reads the record are not applicable (False: skip them)."""
+    if not v.router_sidecar:
+        v.not_applicable(f"journal: the record of {x.request_id} and every check that reads it")
+        return False
     settled = x.has_record and (x.journal or {}).get("phase") in (
         "completed",
         "interrupted",
@@ -341,7 +374,8 @@ def check_frame(v: Verdict, x: Exchange, view: StreamView) -> None:
     if not frames:
         return
     frame = frames[-1]
-    v.check(
+    # Its fields are router-sidecar's documented frame (docs/errors.md); another gateway's is its own.
+    v.check_router_sidecar(
         f"client: the frame says code={INTERRUPTED}, this request_id, partial_output=true, retryable=false",
         frame.get("code") == INTERRUPTED
         and frame.get("request_id") == x.request_id
@@ -349,7 +383,7 @@ def check_frame(v: Verdict, x: Exchange, view: StreamView) -> None:
         and frame.get("retryable") is False,
         json.dumps(frame)[:300],
     )
-    v.check(
+    v.check_router_sidecar(
         "client: the frame's delivered_output_tokens equals what the client got",
         frame.get("delivered_output_tokens") == view.delivered_tokens,
         f"frame {frame.get('delivered_output_tokens')}, client {view.delivered_tokens} "
@@ -443,7 +477,15 @@ def check_json_error(v: Verdict, x: Exchange, *, statuses: Iterable[int], code: 
     """Invariant 8: one JSON error that names the request and why; no SSE bytes, nothing of a replica."""
     allowed = sorted(set(statuses))
     error = x.json_error()
-    v.check(
+    if not v.router_sidecar:
+        # Any gateway owes one JSON error that says why; the status and code are router-sidecar's own.
+        v.check(
+            "client: one JSON error that says why (an error object with a code or message), HTTP 5xx",
+            500 <= x.status < 600 and error is not None and bool(error.get("code") or error.get("message")),
+            f"HTTP {x.status} {x.content_type or '(none)'} {_short(x.body)}",
+        )
+        v.not_applicable(f"client: HTTP {'/'.join(map(str, allowed))}" + (f", code {code}" if code else ""))
+    v.check_router_sidecar(
         f"client: one JSON error, HTTP {'/'.join(map(str, allowed))}"
         + (f", code {code}" if code else ", with a code"),
         x.status in allowed
@@ -465,6 +507,9 @@ def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *
     """Invariant 8: the JSON error's body names the request. The x-request-id header (README: returned on
     every answer) is how a client finds a record when the body cannot say it; when the body does, a missing
     header is noted, not a violation."""
+    if not v.router_sidecar:
+        v.not_applicable(f"{prefix}: the JSON error names this request (error.request_id)")
+        return
     body_ok = error is not None and error.get("request_id") == x.request_id
     v.check(
         f"{prefix}: the JSON error names this request (error.request_id)",
@@ -480,6 +525,9 @@ def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *
 
 def check_nothing_served(v: Verdict, x: Exchange, *, prefix: str = "journal") -> None:
     """A refused request: either never journaled, or journaled as refused/failed with nothing delivered."""
+    if not v.router_sidecar:
+        v.not_applicable(f"{prefix}: nothing journaled as served")
+        return
     if not x.has_record:
         v.check(
             f"{prefix}: nothing journaled as served",
@@ -501,7 +549,7 @@ def check_nothing_served(v: Verdict, x: Exchange, *, prefix: str = "journal") ->
 
 def check_replica_log(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """Simulated replicas: they served only attempts the journal lists (none behind its back)."""
-    if not ev.sim or not x.replica_records or not x.has_record:
+    if not ev.sim or not v.router_sidecar or not x.replica_records or not x.has_record:
         return
     listed = {a.get("attempt_id") for a in x.attempts}
     served = {r.get("attempt_id") for r in x.replica_records if r.get("event") == "start"}
@@ -541,7 +589,7 @@ def _judge_of_main(judge: Callable[[Verdict, Exchange, Evidence], None]) -> Judg
 
     @functools.wraps(judge)
     def judge_evidence(ev: Evidence) -> Verdict:
-        v = Verdict()
+        v = Verdict(router_sidecar=ev.router_sidecar)
         if ev.main is None:
             return _missing(v, "request")
         judge(v, ev.main, ev)
@@ -560,6 +608,9 @@ def judge_healthy(v: Verdict, x: Exchange, ev: Evidence) -> None:
 def judge_retried(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """A failure before the first delta: retried invisibly, one complete answer from the second attempt."""
     check_complete(v, x, attempts=2)
+    if not v.router_sidecar:
+        check_fault_fired_before_content(v, x)
+        return
     check_retried(v, x)
     check_replica_log(v, x, ev)
     if ev.sim and x.replica_records:
@@ -571,6 +622,39 @@ def judge_retried(v: Verdict, x: Exchange, ev: Evidence) -> None:
             "attempt 1's replica record: "
             + str([(r.get("outcome"), r.get("faults_fired"), r.get("content_events_written")) for r in ends]),
         )
+
+
+def check_fault_fired_before_content(v: Verdict, x: Exchange) -> None:
+    """Behind a gateway without a journal, only the simulator's own log shows that the fault took effect:
+    one attempt failed before any content, and another wrote the answer. A fault scoped to attempt 1 fires
+    only where the gateway numbers its attempts (x-envoy-attempt-count); an answer without it proves
+    nothing."""
+    if not x.replica_records:
+        v.inconclusive = (
+            "behind this gateway nothing shows whether the simulator's fault fired: give the replicas' logs "
+            "(--replica-log; the simulator logs each request's Idempotency-Key when the gateway passes it on)"
+        )
+        return
+    ends = _ends(x)
+    fired = [r for r in ends if r.get("faults_fired")]
+    if not fired:
+        v.inconclusive = (
+            "the simulator's fault never fired: it is scoped to attempt 1, which the simulator tells by "
+            "x-envoy-attempt-count, and this gateway does not send that header"
+        )
+        return
+    served = [r for r in ends if not r.get("faults_fired") and r.get("outcome") == "completed"]
+    v.check(
+        "replica log: the fault fired on an attempt before any content; another attempt wrote the answer",
+        all(r.get("content_events_written") == 0 for r in fired) and len(served) == 1,
+        "replica records: "
+        + str(
+            [
+                (r.get("replica"), r.get("outcome"), r.get("faults_fired"), r.get("content_events_written"))
+                for r in ends
+            ]
+        ),
+    )
 
 
 @_judge_of_main
@@ -681,7 +765,10 @@ def judge_client_disconnect(v: Verdict, x: Exchange, ev: Evidence) -> None:
             f"{len(late)} attempt(s) started after {left:.3f}: {late}" if late else "none",
         )
         check_count_bounds(v, x, view, "what was in flight when the client left was never read")
-    if ev.sim:
+    if ev.sim and not v.router_sidecar:
+        # The replicas' logs name requests by the id the gateway sends them (router-sidecar's x-request-id).
+        v.not_applicable("replica log: the replica saw the client go, and no other request began")
+    elif ev.sim:
         if not x.replica_records:
             v.note("no replica log given (--replica-log): the replica-side cancel was not checked")
             return
@@ -706,7 +793,7 @@ def judge_slow_replica(v: Verdict, x: Exchange, ev: Evidence) -> None:
     """A slow prefill is not a failure: one attempt, one complete answer, late; no retry, no fence."""
     view = check_complete(v, x, attempts=1)
     names = _trace_names(x)
-    v.check(
+    v.check_router_sidecar(
         "journal: no failover for slowness (no attempt_failed, retry_triggered, replica_lost or fence)",
         not (set(names) & FAILOVER_EVENTS),
         f"trace {names}" if names else "no trace (a clean completion keeps its summary only)",
@@ -745,7 +832,7 @@ def judge_duplicate_key(ev: Evidence) -> Verdict:
     """Two requests with one Idempotency-Key: one is served; the other is refused with 409 (in flight while
     the first runs, already finished after it); nothing of it reaches the client, and an attempt of it that
     reached a replica (the claim runs beside the first attempt) is cancelled there."""
-    v = Verdict()
+    v = Verdict(router_sidecar=ev.router_sidecar)
     first, dup, after = ev.get("the first request"), ev.get("the duplicate"), ev.get("after completion")
     if first is None or dup is None or after is None:
         return _missing(v, "three requests")
@@ -797,17 +884,21 @@ def judge_duplicate_key(ev: Evidence) -> Verdict:
 
 def judge_malformed_input(ev: Evidence) -> Verdict:
     """Bad input gets a clear 4xx JSON error naming the request before any attempt; nothing is served."""
-    v = Verdict()
+    v = Verdict(router_sidecar=ev.router_sidecar)
     if not ev.exchanges:
         return _missing(v, "requests")
     for x in ev.exchanges:
-        code = ev.expect.get("codes", {}).get(x.label)
+        # The exact codes are router-sidecar's (docs/errors.md); any gateway owes a 4xx JSON error saying why.
+        code = ev.expect.get("codes", {}).get(x.label) if v.router_sidecar else None
         error = x.json_error()
+        if not v.router_sidecar and x.label == "oversize body":
+            v.not_applicable(f"{x.label}: a 4xx JSON error (the body limit is router-sidecar's own)")
+            continue
         if code is None and 200 <= x.status < 300:
             # An engine that serves whatever model name it is asked for (SGLang ignores the field): with
             # static replicas the gateway cannot know the served models (with discovery it pins requests by
             # model and refuses an unknown one itself, 404 model_not_found). Nothing to hold against it.
-            v.check(
+            v.check_router_sidecar(
                 f"{x.label}: x-request-id names the request",
                 x.response_request_id == x.request_id,
                 f"x-request-id {x.response_request_id!r}, sent key {x.request_id!r}",
@@ -833,7 +924,9 @@ def judge_malformed_input(ev: Evidence) -> Verdict:
         # know the served models: an unknown model is the replica's own 4xx, passed through; it names the
         # request only in x-request-id. The scenario's promise (a clear 4xx JSON error, nothing served) holds;
         # the stricter reading of invariant 8 (the body names the request) is noted.
-        if code is not None or (error is not None and error.get("request_id") is not None):
+        if not v.router_sidecar:
+            v.not_applicable(f"{x.label}: the error names the request (error.request_id or x-request-id)")
+        elif code is not None or (error is not None and error.get("request_id") is not None):
             check_names_request(v, x, error, prefix=x.label)
         else:
             v.check(
@@ -852,7 +945,7 @@ def judge_malformed_input(ev: Evidence) -> Verdict:
 def judge_tool_replay(ev: Evidence) -> Verdict:
     """A tool call with a key executes once: the same call again gets the stored answer, marked as a replay;
     the same key on another call is refused (422 idempotency_key_reused)."""
-    v = Verdict()
+    v = Verdict(router_sidecar=ev.router_sidecar)
     call, replay, other = ev.get("the call"), ev.get("the same call again"), ev.get("another body, same key")
     if call is None or replay is None or other is None:
         return _missing(v, "three tool calls")

@@ -1,7 +1,7 @@
-"""`router-sidecar demo`: etcd + two simulated replicas + the gateway on loopback, then the drill against it.
+"""`router-testbed demo`: etcd + two simulated replicas + the gateway on loopback, then the drill against it.
 
 The demo only builds the stack; the scenarios, their checks and the reports are the drill's
-(`router_testbed.drill`, the same code as `router-sidecar drill --gateway URL`), run in-process with the
+(`router_testbed.drill`, the same code as `router-testbed drill --gateway URL`), run in-process with the
 simulator's fault header, the replicas' own logs, and in-process hooks that freeze and thaw a replica
 (SIGSTOP/SIGCONT: a path lost with the process alive). It prints the drill's verdict table and writes its
 HTML report (a timeline per request) and JSON results into the work dir, whose path it prints; the report
@@ -351,7 +351,7 @@ def _tidy(work: Path, keep: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="router-sidecar demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="router-testbed demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--keep", action="store_true", help="keep the whole work dir (logs, etcd data), not only the report"
     )
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = False  # whether the drill ran: if not, the logs are what is left to look at
     try:
         with _sigterm_as_interrupt():
-            out(S.bold(f"router-sidecar demo: first-delta failover, on {what}"))
+            out(S.bold(f"router-testbed demo: first-delta failover, on {what}"))
             stack.start()
             out()
             options = _drill_options(stack, work, real=args.real)

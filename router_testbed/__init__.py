@@ -1,2 +1,0 @@
-"""The testbed, not the product: the replica simulator, the demo, the test tool service and the real-engine
-launcher."""
