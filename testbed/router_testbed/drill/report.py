@@ -191,6 +191,16 @@ KEY_EVENTS = {
     "stream_completed": "completed",
     "response_replaced": "replaced",
 }
+# A simulated replica's log outcome `fault:ACTION` (router_testbed.sim.faults), as the picture says it.
+FAULT_WORDS = {
+    "reset": "replica dies (connection reset)",
+    "exit": "replica process exits",
+    "close": "replica ends the body early",
+    "error": "replica sends an error event",
+    "abort": "replica aborts",
+    "status503": "replica answers 503",
+    "stall": "replica stalls",
+}
 
 
 def _num(value: Any) -> float | None:
@@ -225,17 +235,23 @@ class _Labels:
 
     def place(self, x: float, text: str, cls: str) -> str:
         width = len(text) * self.CHAR_W
-        left, right = (x - 4 - width, x - 4) if x > WIDTH - 110 else (x, x + width)
+        left, right = (x - 4 - width, x - 4) if _flips(x, width) else (x, x + width)
         for y in self.rows:
             if all(right < a or left > b for a, b in self.taken[y]):
                 self.taken[y].append((left - 3, right + 3))
-                return f'<text {_anchor(x)} y="{y}" class="{cls}">{_e(text)}</text>'
+                return f'<text {_anchor(x, width)} y="{y}" class="{cls}">{_e(text)}</text>'
         return ""
 
 
-def _anchor(x: float) -> str:
+def _flips(x: float, width: float) -> bool:
+    """Whether a label `width` wide at `x` reads to the left of its mark: near the right edge, or when it
+    would run over it."""
+    return x > WIDTH - 110 or x + width > WIDTH - 4
+
+
+def _anchor(x: float, width: float = 0.0) -> str:
     """A label's x: it reads to the right of its mark, or to the left near the picture's right edge."""
-    if x > WIDTH - 110:
+    if _flips(x, width):
         return f'x="{x - 4:.1f}" text-anchor="end"'
     return f'x="{x:.1f}"'
 
@@ -269,8 +285,17 @@ def _attempt_span(x: Exchange, attempt: dict[str, Any], end_default: float) -> t
 
 def timeline_svg(x: Exchange) -> str:
     """One request's timeline: the client's events, each attempt as a bar on its replica's lane (with its
-    lease and fence marks and, for a simulator, the replica's own view), the gateway's journal events and
-    the hooks run against a replica."""
+    lease and fence marks and, for a simulator, the replica's own view and where its fault fired), the
+    gateway's journal events and the hooks run against a replica."""
+    height, body = _timeline(x)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} {height}" '
+        f'width="{WIDTH}" height="{height}" role="img" aria-label="timeline of {_e(x.label)}">{body}</svg>'
+    )
+
+
+def _timeline(x: Exchange) -> tuple[int, str]:
+    """The picture's height and its elements, drawn from (0, 0) and WIDTH wide (styled by TIMELINE_CSS)."""
     t0 = x.sent_at
     times = [x.ended_at, x.headers_at, x.disconnected_at]
     times += [_num(e.get("t")) for e in x.trace]
@@ -294,10 +319,7 @@ def timeline_svg(x: Exchange) -> str:
     if not x.attempts and x.replica_records:
         lanes += sorted({f"replica {r.get('replica')}" for r in x.replica_records})
     height = TOP + LANE_H * len(lanes) + AXIS_H
-    out: list[str] = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} {height}" '
-        f'width="{WIDTH}" height="{height}" role="img" aria-label="timeline of {_e(x.label)}">'
-    ]
+    out: list[str] = []
 
     def lane_y(i: int) -> float:
         return TOP + LANE_H * i + LANE_H / 2
@@ -307,9 +329,13 @@ def timeline_svg(x: Exchange) -> str:
         shade = "#f7f7f7" if i % 2 == 0 else "#ffffff"
         out.append(f'<rect x="0" y="{y - LANE_H / 2}" width="{WIDTH}" height="{LANE_H}" fill="{shade}"/>')
         label = lane if lane in ("client", "gateway") or lane.startswith("replica ") else f"replica {lane}"
-        if lane in names:
-            label = f"{names[lane]} {lane}"
-        out.append(f'<text x="6" y="{y + 4}" class="lane">{_e(_cut(label, 24))}</text>')
+        if lane in names:  # the simulator's name, its address under it
+            out.append(
+                f'<text x="6" y="{y - 1}" class="lane">{_e(_cut(names[lane], 24))}</text>'
+                f'<text x="6" y="{y + 11}" class="addr">{_e(_cut(lane, 26))}</text>'
+            )
+        else:
+            out.append(f'<text x="6" y="{y + 4}" class="lane">{_e(_cut(label, 24))}</text>')
     axis_y = TOP + LANE_H * len(lanes)
     for tick in scale.ticks():
         tx = scale.x(t0 + tick)
@@ -334,14 +360,16 @@ def timeline_svg(x: Exchange) -> str:
         )
         if lane in lanes:
             _replica_view(out, r, scale, lane_y(lanes.index(lane)))
+            if str(r.get("outcome") or "").startswith("fault:") and _num(r.get("t_end")) is not None:
+                fx = scale.x(float(r["t_end"]))  # the moment the fault hit, across every lane
+                out.append(f'<line x1="{fx:.1f}" y1="{TOP}" x2="{fx:.1f}" y2="{axis_y}" class="faultline"/>')
     for h in x.hooks:
         hx = scale.x(h.started_at)
         out.append(
             f'<g class="hook"><title>{_e(h.describe())}</title>'
             f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/></g>'
         )
-    out.append("</svg>")
-    return "".join(out)
+    return height, "".join(out)
 
 
 def _replica_names(x: Exchange) -> dict[str, str]:
@@ -498,11 +526,26 @@ def _replica_view(out: list[str], r: dict[str, Any], scale: _Scale, y: float) ->
     gone = _num(r.get("client_gone_at"))
     if gone is not None:
         _cross(out, scale.x(gone), y + 6, "gone", f"the replica saw the client go (cancel) at {gone:.3f}")
+    outcome = str(r.get("outcome") or "")
+    if outcome.startswith("fault:"):
+        # Where the simulator's fault ended the attempt (the moment the replica "died" in sim mode).
+        action = outcome.removeprefix("fault:")
+        fx = scale.x(end)
+        word = FAULT_WORDS.get(action, f"fault: {action}")
+        fired = ", ".join(str(f) for f in r.get("faults_fired") or []) or action
+        _cross(
+            out, fx, y + 6, "fault", f"replica {r.get('replica')}: {word} ({fired}) at +{end - scale.t0:.3f}s"
+        )
+        # Its label reads under the replica's log bar, left of the mark (to its right, it would touch the
+        # label of a bar on the lane below); it may reach under the lane's name, not over its address.
+        width = len(word) * _Labels.CHAR_W
+        where = f'x="{fx - 9:.1f}" text-anchor="end"' if fx - 9 - width >= 100 else _anchor(fx + 8, width)
+        out.append(f'<text {where} y="{y + 17}" class="faultl">{_e(word)}</text>')
 
 
 # --- HTML ---------------------------------------------------------------------------------------------
 
-CSS = """
+PAGE_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:980px;color:#222}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 4px} .meta,.muted{color:#666}
 table.summary{border-collapse:collapse;width:100%;margin:12px 0}
@@ -521,6 +564,10 @@ pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:320px;font-size:12px
 .legend span{display:inline-block;margin-right:14px;font-size:12.5px}
 .sw{display:inline-block;width:12px;height:10px;margin-right:4px;vertical-align:-1px}
 svg.timeline{max-width:100%;height:auto;font:11px system-ui,sans-serif}
+"""
+
+# The timeline's own classes: the HTML report and the standalone figure (`figure_svg`) both embed them.
+TIMELINE_CSS = """
 svg .lane{fill:#333} svg .tick{fill:#888;text-anchor:middle} svg .grid{stroke:#e4e4e4}
 svg .span{stroke:#bbb;stroke-width:2} svg .content{stroke:#2a6fdb;stroke-width:1.5}
 svg .minor{stroke:#aaa} svg .frame{fill:#f0ad4e;stroke:#a66} svg .done{fill:#4cae4c}
@@ -530,8 +577,12 @@ svg .ev circle{fill:#666} svg .evl{fill:#555;font-size:10px} svg .bar{fill:#333;
 svg .grant path{fill:#2e7d32} svg .revoke path{fill:#c62828}
 svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fl{font-size:10px;fill:#000}
 svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hl{fill:#8e44ad;font-size:11px}
-svg .rlog rect{fill:#777} svg .muted{fill:#888}
+svg .rlog rect{fill:#777} svg .muted{fill:#888} svg .addr{fill:#777;font-size:9.5px}
+svg .fault path{stroke:#d9534f;stroke-width:2.5} svg .faultl{fill:#a02622;font-size:10px}
+svg .faultline{stroke:#d9534f;stroke-width:1;stroke-dasharray:4 3;opacity:.7}
 """
+
+CSS = PAGE_CSS + TIMELINE_CSS
 
 LEGEND = (
     '<p class="legend">'
