@@ -696,3 +696,191 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         + "".join(sections)
         + "</body></html>\n"
     )
+
+
+# --- the standalone figure ----------------------------------------------------------------------------
+
+# What a standalone SVG needs besides the timeline's classes: its own font (no page around it) and the
+# panel titles. No external CSS, font or script: it must render alone, e.g. as an <img> on GitHub.
+FIGURE_CSS = (
+    "svg{font:11px system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif}"
+    " svg .fh{font-size:14px;font-weight:600;fill:#111} svg .fd{font-size:12px;font-weight:400;fill:#666}"
+    " svg .fs{font-size:12px;fill:#333} svg .fk{font-weight:600} svg .lg{fill:#333}"
+    " svg .fn{fill:#777;font-size:10.5px}" + TIMELINE_CSS.replace("\n", " ")
+)
+PANEL_HEAD = 62  # the three title lines above each timeline
+PANEL_GAP = 14
+LEGEND_ROW = 18
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _replica_of(x: Exchange, attempt: dict[str, Any]) -> str:
+    """An attempt's replica as the picture names it: the simulator's own name when its log says it."""
+    return _replica_names(x).get(str(attempt.get("replica")), str(attempt.get("replica")))
+
+
+def client_got(x: Exchange) -> str:
+    """What the client got, in one line: status, content events, how the stream ended, which attempt."""
+    if x.status == 0:
+        return f"no HTTP response ({_cut(x.transport_error or 'nothing', 80)})"
+    if not x.is_event_stream:
+        error = x.json_error()
+        return f"HTTP {x.status}" + (f" {error.get('code')}" if error else "") + " and no stream"
+    view = read_stream(x)
+    got = f"HTTP {x.status}, {_plural(len(view.content), 'content event')}"
+    frames = view.frames
+    if len(frames) == 1:
+        got += f", then one terminal frame ({frames[0].get('code')})"
+    elif frames:
+        got += f", then {len(frames)} terminal frames"
+    if view.done_count:
+        got += " and [DONE]" if frames else ", then [DONE]"
+    if x.disconnected_at is not None:
+        got += ", then the client left"
+    elif x.transport_error:
+        kind = x.transport_error.split(":", 1)[0]
+        reset = kind in ("RemoteProtocolError", "ReadError")
+        got += ", then a transport reset" if reset else f", then {kind}"
+        got += "" if view.done_count else " (no [DONE])"
+    if len(view.content_ids) == 1:
+        served = [a for a in x.attempts if a.get("outcome") in ("completed", "interrupted", "cancelled")]
+        if len(served) == 1:
+            complete = view.done_count == 1 and not frames and not x.transport_error and view.finish_reasons
+            got += " — one complete answer," if complete else " —"
+            got += f" all from attempt {served[0].get('attempt')} on {_replica_of(x, served[0])}"
+    elif len(view.content_ids) > 1:
+        got += f" — content from {len(view.content_ids)} completions"
+    return got
+
+
+def journal_said(x: Exchange) -> str:
+    """The gateway's journal record in one line: its phase, each attempt, the delivered count."""
+    if not x.has_record:
+        return f"no record (look-up HTTP {x.journal_status or '—'})"
+    record = x.journal or {}
+    phase, outcome = record.get("phase"), record.get("outcome")
+    said = str(phase) + (f" ({outcome})" if outcome and outcome != phase else "")
+    attempts = x.attempts
+    described = []
+    for a in attempts:
+        detail = f" ({a.get('detail')})" if a.get("detail") else ""
+        described.append(f"#{a.get('attempt')} on {_replica_of(x, a)} {a.get('outcome')}{detail}")
+    said += f" · {_plural(len(attempts), 'attempt')}: " + ", ".join(described) if described else ""
+    delivered = record.get("delivered_output_tokens")
+    if isinstance(delivered, int):
+        said += f" · {_plural(delivered, 'output token')} delivered"
+    return said
+
+
+def _fault_moment(x: Exchange) -> float | None:
+    """When the fault hit: a simulated replica's fault (its log), a kill or freeze hook, or else the first
+    attempt the journal says failed or was lost."""
+    moments = [
+        _num(r.get("t_end"))
+        for r in x.replica_records
+        if r.get("event") == "end" and str(r.get("outcome") or "").startswith("fault:")
+    ]
+    moments += [h.started_at for h in x.hooks if h.action in ("kill", "freeze")]
+    if not any(t is not None for t in moments):
+        moments = [_num(e.get("t")) for e in x.trace if e.get("event") in ("attempt_failed", "replica_lost")]
+    found = [t for t in moments if t is not None]
+    return min(found) if found else None
+
+
+def fault_against_first_delta(x: Exchange) -> str | None:
+    """ "before the first delta" or "after the first delta": when the fault hit, against the gateway's
+    first_delta_sent (or the client's first content event); None when nothing failed."""
+    fault = _fault_moment(x)
+    if fault is None:
+        return None
+    first = next((_num(e.get("t")) for e in x.trace if e.get("event") == "first_delta_sent"), None)
+    if first is None and x.is_event_stream:
+        first = read_stream(x).first_content_at()
+    return "before the first delta" if first is None or fault < first else "after the first delta"
+
+
+def _legend(y: float) -> tuple[float, str]:
+    """The marks the timelines use, drawn with the same classes; returns the legend's height."""
+    items = [
+        ('<line x1="{x}" y1="{ym5}" x2="{x}" y2="{yp5}" class="content"/>', "content event"),
+        ('<path d="M{x},{ym7} l6,7 l-6,7 l-6,-7 z" class="frame"/>', "terminal frame"),
+        ('<circle cx="{x}" cy="{y}" r="5" class="done"/>', "[DONE]"),
+        ('<g class="reset"><path d="M{xm5},{ym5} l10,10 m0,-10 l-10,10"/></g>', "connection reset"),
+        ('<g class="ev"><circle cx="{x}" cy="{y}" r="3.5"/></g>', "journal event"),
+        *(
+            (
+                f'<rect x="{{xm6}}" y="{{ym5}}" width="14" height="10" rx="2" fill="{OUTCOME_COLOURS[o]}"/>',
+                f"{o}",
+            )
+            for o in ("failed", "completed", "interrupted")
+        ),
+        ('<g class="grant"><path d="M{x},{ym4} l-4,6 h8 z"/></g>', "lease granted"),
+        ('<g class="revoke"><path d="M{x},{yp2} l-4,-6 h8 z"/></g>', "lease revoked"),
+        ('<g class="rlog"><rect x="{xm6}" y="{ym2}" width="14" height="4"/></g>', "the replica's own log"),
+    ]
+    out = [f'<text x="6" y="{y + 4}" class="lg fk">Legend</text>']
+    x, row = 60.0, 0
+    for glyph, label in items:
+        width = 34 + len(label) * 6.6  # generous: a fallback font is wider than system-ui
+        if x + width > WIDTH - RIGHT:
+            x, row = 60.0, row + 1
+        yy = y + row * LEGEND_ROW
+        fields = {"x": x + 6, "y": yy, "xm5": x + 1, "xm6": x, "ym2": yy - 2, "ym4": yy - 4, "ym5": yy - 5}
+        fields.update({"ym7": yy - 7, "yp2": yy + 2, "yp5": yy + 5})
+        out.append(glyph.format(**{k: f"{v:.1f}" for k, v in fields.items()}))
+        out.append(f'<text x="{x + 18:.1f}" y="{yy + 4:.1f}" class="lg">{_e(label)}</text>')
+        x += width
+    return (row + 1) * LEGEND_ROW, "".join(out)
+
+
+def figure_svg(info: RunInfo, results: Sequence[Result]) -> str:
+    """One standalone SVG: the timeline of each request of the scenarios run, one above the other, each
+    under a title saying what was done, what the client got and what the journal says; then a legend.
+    The timelines are `timeline_svg`'s (the same drawing, the same classes); the CSS they need is
+    embedded, on a white background, so the file renders alone (an image in a README)."""
+    panels = [(r, x) for r in results if r.not_applicable is None for x in r.evidence.exchanges]
+    y = 8.0
+    body: list[str] = []
+    for r, x in panels:
+        when = fault_against_first_delta(x)
+        title = f"{when[:1].upper()}{when[1:]}: {r.scenario.title}" if when else r.scenario.title
+        title = title[:1].upper() + title[1:] + (f" ({x.label})" if len(r.evidence.exchanges) > 1 else "")
+        # A space at a <tspan>'s edge may be dropped by a renderer: the gaps are no-break spaces.
+        body.append(
+            f'<text x="6" y="{y + 16:.1f}" class="fh">{_e(title)}'
+            f'<tspan class="fd" dx="6">— {_e(r.scenario.name)}, {_e(r.fault)}</tspan>'
+            + (
+                f'<tspan class="err" dx="6">FAIL: {_e(_cut(r.verdict.failed[0].what, 60))}</tspan>'
+                if r.violated
+                else ""
+            )
+            + "</text>"
+            f'<text x="6" y="{y + 35:.1f}" class="fs"><tspan class="fk">The client got:</tspan>\u00a0'
+            f"{_e(_cut(client_got(x), 150))}</text>"
+            f'<text x="6" y="{y + 52:.1f}" class="fs"><tspan class="fk">The journal:</tspan>\u00a0'
+            f"{_e(_cut(journal_said(x), 150))}</text>"
+        )
+        height, timeline = _timeline(x)
+        body.append(f'<g transform="translate(0 {y + PANEL_HEAD:.1f})">{timeline}</g>')
+        y += PANEL_HEAD + height + PANEL_GAP
+    legend_h, legend = _legend(y + 6)
+    body.append(legend)
+    y += legend_h + 6
+    day = time.strftime("%Y-%m-%d", time.localtime(info.started_at))
+    body.append(
+        f'<text x="6" y="{y + 12:.1f}" class="fn">Recorded by router-testbed drill on {day}, fault mode '
+        f"{_e(info.fault_mode)}. Times: seconds from the moment the client sent the request.</text>"
+        f'<text x="6" y="{y + 26:.1f}" class="fn">Lanes: what the client got; the gateway\'s journal '
+        "events; one lane per replica with its attempts (bars) and its own log.</text>"
+    )
+    height = math.ceil(y + 36)
+    names = ", ".join(dict.fromkeys(r.scenario.name for r, _ in panels))
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
+        f'height="{height}" role="img" aria-label="{_e(f"router-testbed drill timelines: {names}")}">'
+        f"<style>{FIGURE_CSS}</style>"
+        f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>' + "".join(body) + "</svg>\n"
+    )
