@@ -1,9 +1,12 @@
-"""`router-testbed drill --figure` (`report.figure_svg`) renders the timelines of the scenarios run as one
-standalone SVG. Here it is rendered from a fabricated pair of exchanges shaped like a real run's (no server):
-a replica that dies before the first delta (retried) and one that dies after it (the prefix, then a reset)."""
+"""The README's failover figure: `router-testbed drill --figure` (`report.figure_svg`) renders the timelines
+of the scenarios run as one standalone SVG, and `scripts/render_failover_figure.py` drives it against a local
+stack. Here the figure is rendered from a fabricated pair of exchanges shaped like a real run's (no server):
+a replica that dies before the first delta (retried) and one that dies after it (the prefix, then a reset).
+The committed docs/img/failover.svg is checked to be such a figure."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -199,6 +202,25 @@ def test_a_violation_is_said_in_its_title() -> None:
     assert "FAIL: the client got what was promised" in head
 
 
-def test_the_drill_takes_figure() -> None:
+def test_the_drill_takes_figure_and_the_script_asks_for_two_sim_scenarios() -> None:
     options = options_from_args(["--gateway", "http://127.0.0.1:1", "--figure", "out/f.svg"])
     assert options.figure == Path("out/f.svg")
+    spec = importlib.util.spec_from_file_location(
+        "render_failover_figure", REPO / "scripts/render_failover_figure.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.FIGURE == REPO / "docs/img/failover.svg"
+    assert [BY_NAME[name].sim_fault is not None for name in script.SCENARIOS] == [True, True]
+
+
+def test_the_committed_figure_is_such_a_figure() -> None:
+    path = REPO / "docs/img/failover.svg"
+    svg = path.read_text(encoding="utf-8")
+    root = ET.fromstring(svg)
+    assert_standalone(svg, root)
+    heads = [t.split("\u2014")[0].strip() for t in texts(root) if t.startswith(("Before", "After"))]
+    assert heads == [BEFORE, AFTER]
+    assert "FAIL:" not in svg
+    assert path.stat().st_size < 50_000
