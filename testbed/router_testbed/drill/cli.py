@@ -60,6 +60,7 @@ class Options:
     model: str | None = None
     report: Path | None = None
     json_path: Path | None = None
+    figure: Path | None = None  # one standalone SVG with the timelines of the scenarios run
     timeout: float = 30.0
     long_tokens: int = 400
     oversize_bytes: int = DEFAULT_OVERSIZE
@@ -122,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the model to ask for (default: the first of GET /v1/models)")
     p.add_argument("--report", type=Path, metavar="PATH.html", help="write the HTML report here")
     p.add_argument("--json", dest="json_path", type=Path, metavar="PATH", help="write JSON results here")
+    p.add_argument(
+        "--figure",
+        type=Path,
+        metavar="PATH.svg",
+        help="write the timelines of the scenarios run (pick them with --scenario), one above the other, "
+        "as one standalone SVG image (docs/img/failover.svg is one)",
+    )
     p.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per request (default 30)")
     p.add_argument(
         "--long-tokens",
@@ -157,6 +165,7 @@ def options_from_args(argv: Sequence[str] | None) -> Options:
         model=a.model,
         report=a.report,
         json_path=a.json_path,
+        figure=a.figure,
         timeout=a.timeout,
         long_tokens=a.long_tokens,
         oversize_bytes=a.oversize_bytes,
@@ -361,6 +370,10 @@ def run(
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(report.to_json(info, results), indent=1), encoding="utf-8")
         out.write(f"JSON results: {options.json_path}\n")
+    if options.figure is not None:
+        options.figure.parent.mkdir(parents=True, exist_ok=True)
+        options.figure.write_text(report.figure_svg(info, results), encoding="utf-8")
+        out.write(f"figure: {options.figure}\n")
     out.flush()
     return EXIT_PASSED if passed else EXIT_VIOLATION
 

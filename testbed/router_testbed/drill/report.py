@@ -191,6 +191,16 @@ KEY_EVENTS = {
     "stream_completed": "completed",
     "response_replaced": "replaced",
 }
+# A simulated replica's log outcome `fault:ACTION` (router_testbed.sim.faults), as the picture says it.
+FAULT_WORDS = {
+    "reset": "replica dies (connection reset)",
+    "exit": "replica process exits",
+    "close": "replica ends the body early",
+    "error": "replica sends an error event",
+    "abort": "replica aborts",
+    "status503": "replica answers 503",
+    "stall": "replica stalls",
+}
 
 
 def _num(value: Any) -> float | None:
@@ -225,17 +235,23 @@ class _Labels:
 
     def place(self, x: float, text: str, cls: str) -> str:
         width = len(text) * self.CHAR_W
-        left, right = (x - 4 - width, x - 4) if x > WIDTH - 110 else (x, x + width)
+        left, right = (x - 4 - width, x - 4) if _flips(x, width) else (x, x + width)
         for y in self.rows:
             if all(right < a or left > b for a, b in self.taken[y]):
                 self.taken[y].append((left - 3, right + 3))
-                return f'<text {_anchor(x)} y="{y}" class="{cls}">{_e(text)}</text>'
+                return f'<text {_anchor(x, width)} y="{y}" class="{cls}">{_e(text)}</text>'
         return ""
 
 
-def _anchor(x: float) -> str:
+def _flips(x: float, width: float) -> bool:
+    """Whether a label `width` wide at `x` reads to the left of its mark: near the right edge, or when it
+    would run over it."""
+    return x > WIDTH - 110 or x + width > WIDTH - 4
+
+
+def _anchor(x: float, width: float = 0.0) -> str:
     """A label's x: it reads to the right of its mark, or to the left near the picture's right edge."""
-    if x > WIDTH - 110:
+    if _flips(x, width):
         return f'x="{x - 4:.1f}" text-anchor="end"'
     return f'x="{x:.1f}"'
 
@@ -269,8 +285,17 @@ def _attempt_span(x: Exchange, attempt: dict[str, Any], end_default: float) -> t
 
 def timeline_svg(x: Exchange) -> str:
     """One request's timeline: the client's events, each attempt as a bar on its replica's lane (with its
-    lease and fence marks and, for a simulator, the replica's own view), the gateway's journal events and
-    the hooks run against a replica."""
+    lease and fence marks and, for a simulator, the replica's own view and where its fault fired), the
+    gateway's journal events and the hooks run against a replica."""
+    height, body = _timeline(x)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} {height}" '
+        f'width="{WIDTH}" height="{height}" role="img" aria-label="timeline of {_e(x.label)}">{body}</svg>'
+    )
+
+
+def _timeline(x: Exchange) -> tuple[int, str]:
+    """The picture's height and its elements, drawn from (0, 0) and WIDTH wide (styled by TIMELINE_CSS)."""
     t0 = x.sent_at
     times = [x.ended_at, x.headers_at, x.disconnected_at]
     times += [_num(e.get("t")) for e in x.trace]
@@ -294,10 +319,7 @@ def timeline_svg(x: Exchange) -> str:
     if not x.attempts and x.replica_records:
         lanes += sorted({f"replica {r.get('replica')}" for r in x.replica_records})
     height = TOP + LANE_H * len(lanes) + AXIS_H
-    out: list[str] = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} {height}" '
-        f'width="{WIDTH}" height="{height}" role="img" aria-label="timeline of {_e(x.label)}">'
-    ]
+    out: list[str] = []
 
     def lane_y(i: int) -> float:
         return TOP + LANE_H * i + LANE_H / 2
@@ -307,9 +329,13 @@ def timeline_svg(x: Exchange) -> str:
         shade = "#f7f7f7" if i % 2 == 0 else "#ffffff"
         out.append(f'<rect x="0" y="{y - LANE_H / 2}" width="{WIDTH}" height="{LANE_H}" fill="{shade}"/>')
         label = lane if lane in ("client", "gateway") or lane.startswith("replica ") else f"replica {lane}"
-        if lane in names:
-            label = f"{names[lane]} {lane}"
-        out.append(f'<text x="6" y="{y + 4}" class="lane">{_e(_cut(label, 24))}</text>')
+        if lane in names:  # the simulator's name, its address under it
+            out.append(
+                f'<text x="6" y="{y - 1}" class="lane">{_e(_cut(names[lane], 24))}</text>'
+                f'<text x="6" y="{y + 11}" class="addr">{_e(_cut(lane, 26))}</text>'
+            )
+        else:
+            out.append(f'<text x="6" y="{y + 4}" class="lane">{_e(_cut(label, 24))}</text>')
     axis_y = TOP + LANE_H * len(lanes)
     for tick in scale.ticks():
         tx = scale.x(t0 + tick)
@@ -334,14 +360,16 @@ def timeline_svg(x: Exchange) -> str:
         )
         if lane in lanes:
             _replica_view(out, r, scale, lane_y(lanes.index(lane)))
+            if str(r.get("outcome") or "").startswith("fault:") and _num(r.get("t_end")) is not None:
+                fx = scale.x(float(r["t_end"]))  # the moment the fault hit, across every lane
+                out.append(f'<line x1="{fx:.1f}" y1="{TOP}" x2="{fx:.1f}" y2="{axis_y}" class="faultline"/>')
     for h in x.hooks:
         hx = scale.x(h.started_at)
         out.append(
             f'<g class="hook"><title>{_e(h.describe())}</title>'
             f'<line x1="{hx:.1f}" y1="{TOP}" x2="{hx:.1f}" y2="{axis_y}"/></g>'
         )
-    out.append("</svg>")
-    return "".join(out)
+    return height, "".join(out)
 
 
 def _replica_names(x: Exchange) -> dict[str, str]:
@@ -498,11 +526,26 @@ def _replica_view(out: list[str], r: dict[str, Any], scale: _Scale, y: float) ->
     gone = _num(r.get("client_gone_at"))
     if gone is not None:
         _cross(out, scale.x(gone), y + 6, "gone", f"the replica saw the client go (cancel) at {gone:.3f}")
+    outcome = str(r.get("outcome") or "")
+    if outcome.startswith("fault:"):
+        # Where the simulator's fault ended the attempt (the moment the replica "died" in sim mode).
+        action = outcome.removeprefix("fault:")
+        fx = scale.x(end)
+        word = FAULT_WORDS.get(action, f"fault: {action}")
+        fired = ", ".join(str(f) for f in r.get("faults_fired") or []) or action
+        _cross(
+            out, fx, y + 6, "fault", f"replica {r.get('replica')}: {word} ({fired}) at +{end - scale.t0:.3f}s"
+        )
+        # Its label reads under the replica's log bar, left of the mark (to its right, it would touch the
+        # label of a bar on the lane below); it may reach under the lane's name, not over its address.
+        width = len(word) * _Labels.CHAR_W
+        where = f'x="{fx - 9:.1f}" text-anchor="end"' if fx - 9 - width >= 100 else _anchor(fx + 8, width)
+        out.append(f'<text {where} y="{y + 17}" class="faultl">{_e(word)}</text>')
 
 
 # --- HTML ---------------------------------------------------------------------------------------------
 
-CSS = """
+PAGE_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:980px;color:#222}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 4px} .meta,.muted{color:#666}
 table.summary{border-collapse:collapse;width:100%;margin:12px 0}
@@ -521,6 +564,10 @@ pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:320px;font-size:12px
 .legend span{display:inline-block;margin-right:14px;font-size:12.5px}
 .sw{display:inline-block;width:12px;height:10px;margin-right:4px;vertical-align:-1px}
 svg.timeline{max-width:100%;height:auto;font:11px system-ui,sans-serif}
+"""
+
+# The timeline's own classes: the HTML report and the standalone figure (`figure_svg`) both embed them.
+TIMELINE_CSS = """
 svg .lane{fill:#333} svg .tick{fill:#888;text-anchor:middle} svg .grid{stroke:#e4e4e4}
 svg .span{stroke:#bbb;stroke-width:2} svg .content{stroke:#2a6fdb;stroke-width:1.5}
 svg .minor{stroke:#aaa} svg .frame{fill:#f0ad4e;stroke:#a66} svg .done{fill:#4cae4c}
@@ -530,8 +577,12 @@ svg .ev circle{fill:#666} svg .evl{fill:#555;font-size:10px} svg .bar{fill:#333;
 svg .grant path{fill:#2e7d32} svg .revoke path{fill:#c62828}
 svg .fence line{stroke:#000;stroke-dasharray:2 2} svg .fl{font-size:10px;fill:#000}
 svg .hook line{stroke:#8e44ad;stroke-width:1.5;stroke-dasharray:5 3} svg .hl{fill:#8e44ad;font-size:11px}
-svg .rlog rect{fill:#777} svg .muted{fill:#888}
+svg .rlog rect{fill:#777} svg .muted{fill:#888} svg .addr{fill:#777;font-size:9.5px}
+svg .fault path{stroke:#d9534f;stroke-width:2.5} svg .faultl{fill:#a02622;font-size:10px}
+svg .faultline{stroke:#d9534f;stroke-width:1;stroke-dasharray:4 3;opacity:.7}
 """
+
+CSS = PAGE_CSS + TIMELINE_CSS
 
 LEGEND = (
     '<p class="legend">'
@@ -644,4 +695,192 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         + f'<p class="muted">{_e(PICTURE_HELP)}</p>'
         + "".join(sections)
         + "</body></html>\n"
+    )
+
+
+# --- the standalone figure ----------------------------------------------------------------------------
+
+# What a standalone SVG needs besides the timeline's classes: its own font (no page around it) and the
+# panel titles. No external CSS, font or script: it must render alone, e.g. as an <img> on GitHub.
+FIGURE_CSS = (
+    "svg{font:11px system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif}"
+    " svg .fh{font-size:14px;font-weight:600;fill:#111} svg .fd{font-size:12px;font-weight:400;fill:#666}"
+    " svg .fs{font-size:12px;fill:#333} svg .fk{font-weight:600} svg .lg{fill:#333}"
+    " svg .fn{fill:#777;font-size:10.5px}" + TIMELINE_CSS.replace("\n", " ")
+)
+PANEL_HEAD = 62  # the three title lines above each timeline
+PANEL_GAP = 14
+LEGEND_ROW = 18
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _replica_of(x: Exchange, attempt: dict[str, Any]) -> str:
+    """An attempt's replica as the picture names it: the simulator's own name when its log says it."""
+    return _replica_names(x).get(str(attempt.get("replica")), str(attempt.get("replica")))
+
+
+def client_got(x: Exchange) -> str:
+    """What the client got, in one line: status, content events, how the stream ended, which attempt."""
+    if x.status == 0:
+        return f"no HTTP response ({_cut(x.transport_error or 'nothing', 80)})"
+    if not x.is_event_stream:
+        error = x.json_error()
+        return f"HTTP {x.status}" + (f" {error.get('code')}" if error else "") + " and no stream"
+    view = read_stream(x)
+    got = f"HTTP {x.status}, {_plural(len(view.content), 'content event')}"
+    frames = view.frames
+    if len(frames) == 1:
+        got += f", then one terminal frame ({frames[0].get('code')})"
+    elif frames:
+        got += f", then {len(frames)} terminal frames"
+    if view.done_count:
+        got += " and [DONE]" if frames else ", then [DONE]"
+    if x.disconnected_at is not None:
+        got += ", then the client left"
+    elif x.transport_error:
+        kind = x.transport_error.split(":", 1)[0]
+        reset = kind in ("RemoteProtocolError", "ReadError")
+        got += ", then a transport reset" if reset else f", then {kind}"
+        got += "" if view.done_count else " (no [DONE])"
+    if len(view.content_ids) == 1:
+        served = [a for a in x.attempts if a.get("outcome") in ("completed", "interrupted", "cancelled")]
+        if len(served) == 1:
+            complete = view.done_count == 1 and not frames and not x.transport_error and view.finish_reasons
+            got += " — one complete answer," if complete else " —"
+            got += f" all from attempt {served[0].get('attempt')} on {_replica_of(x, served[0])}"
+    elif len(view.content_ids) > 1:
+        got += f" — content from {len(view.content_ids)} completions"
+    return got
+
+
+def journal_said(x: Exchange) -> str:
+    """The gateway's journal record in one line: its phase, each attempt, the delivered count."""
+    if not x.has_record:
+        return f"no record (look-up HTTP {x.journal_status or '—'})"
+    record = x.journal or {}
+    phase, outcome = record.get("phase"), record.get("outcome")
+    said = str(phase) + (f" ({outcome})" if outcome and outcome != phase else "")
+    attempts = x.attempts
+    described = []
+    for a in attempts:
+        detail = f" ({a.get('detail')})" if a.get("detail") else ""
+        described.append(f"#{a.get('attempt')} on {_replica_of(x, a)} {a.get('outcome')}{detail}")
+    said += f" · {_plural(len(attempts), 'attempt')}: " + ", ".join(described) if described else ""
+    delivered = record.get("delivered_output_tokens")
+    if isinstance(delivered, int):
+        said += f" · {_plural(delivered, 'output token')} delivered"
+    return said
+
+
+def _fault_moment(x: Exchange) -> float | None:
+    """When the fault hit: a simulated replica's fault (its log), a kill or freeze hook, or else the first
+    attempt the journal says failed or was lost."""
+    moments = [
+        _num(r.get("t_end"))
+        for r in x.replica_records
+        if r.get("event") == "end" and str(r.get("outcome") or "").startswith("fault:")
+    ]
+    moments += [h.started_at for h in x.hooks if h.action in ("kill", "freeze")]
+    if not any(t is not None for t in moments):
+        moments = [_num(e.get("t")) for e in x.trace if e.get("event") in ("attempt_failed", "replica_lost")]
+    found = [t for t in moments if t is not None]
+    return min(found) if found else None
+
+
+def fault_against_first_delta(x: Exchange) -> str | None:
+    """ "before the first delta" or "after the first delta": when the fault hit, against the gateway's
+    first_delta_sent (or the client's first content event); None when nothing failed."""
+    fault = _fault_moment(x)
+    if fault is None:
+        return None
+    first = next((_num(e.get("t")) for e in x.trace if e.get("event") == "first_delta_sent"), None)
+    if first is None and x.is_event_stream:
+        first = read_stream(x).first_content_at()
+    return "before the first delta" if first is None or fault < first else "after the first delta"
+
+
+def _legend(y: float) -> tuple[float, str]:
+    """The marks the timelines use, drawn with the same classes; returns the legend's height."""
+    items = [
+        ('<line x1="{x}" y1="{ym5}" x2="{x}" y2="{yp5}" class="content"/>', "content event"),
+        ('<path d="M{x},{ym7} l6,7 l-6,7 l-6,-7 z" class="frame"/>', "terminal frame"),
+        ('<circle cx="{x}" cy="{y}" r="5" class="done"/>', "[DONE]"),
+        ('<g class="reset"><path d="M{xm5},{ym5} l10,10 m0,-10 l-10,10"/></g>', "connection reset"),
+        ('<g class="ev"><circle cx="{x}" cy="{y}" r="3.5"/></g>', "journal event"),
+        *(
+            (
+                f'<rect x="{{xm6}}" y="{{ym5}}" width="14" height="10" rx="2" fill="{OUTCOME_COLOURS[o]}"/>',
+                f"{o}",
+            )
+            for o in ("failed", "completed", "interrupted")
+        ),
+        ('<g class="grant"><path d="M{x},{ym4} l-4,6 h8 z"/></g>', "lease granted"),
+        ('<g class="revoke"><path d="M{x},{yp2} l-4,-6 h8 z"/></g>', "lease revoked"),
+        ('<g class="rlog"><rect x="{xm6}" y="{ym2}" width="14" height="4"/></g>', "the replica's own log"),
+    ]
+    out = [f'<text x="6" y="{y + 4}" class="lg fk">Legend</text>']
+    x, row = 60.0, 0
+    for glyph, label in items:
+        width = 34 + len(label) * 6.6  # generous: a fallback font is wider than system-ui
+        if x + width > WIDTH - RIGHT:
+            x, row = 60.0, row + 1
+        yy = y + row * LEGEND_ROW
+        fields = {"x": x + 6, "y": yy, "xm5": x + 1, "xm6": x, "ym2": yy - 2, "ym4": yy - 4, "ym5": yy - 5}
+        fields.update({"ym7": yy - 7, "yp2": yy + 2, "yp5": yy + 5})
+        out.append(glyph.format(**{k: f"{v:.1f}" for k, v in fields.items()}))
+        out.append(f'<text x="{x + 18:.1f}" y="{yy + 4:.1f}" class="lg">{_e(label)}</text>')
+        x += width
+    return (row + 1) * LEGEND_ROW, "".join(out)
+
+
+def figure_svg(info: RunInfo, results: Sequence[Result]) -> str:
+    """One standalone SVG: the timeline of each request of the scenarios run, one above the other, each
+    under a title saying what was done, what the client got and what the journal says; then a legend.
+    The timelines are `timeline_svg`'s (the same drawing, the same classes); the CSS they need is
+    embedded, on a white background, so the file renders alone (an image in a README)."""
+    panels = [(r, x) for r in results if r.not_applicable is None for x in r.evidence.exchanges]
+    y = 8.0
+    body: list[str] = []
+    for r, x in panels:
+        when = fault_against_first_delta(x)
+        title = f"{when[:1].upper()}{when[1:]}: {r.scenario.title}" if when else r.scenario.title
+        title = title[:1].upper() + title[1:] + (f" ({x.label})" if len(r.evidence.exchanges) > 1 else "")
+        # A space at a <tspan>'s edge may be dropped by a renderer: the gaps are no-break spaces.
+        body.append(
+            f'<text x="6" y="{y + 16:.1f}" class="fh">{_e(title)}'
+            f'<tspan class="fd" dx="6">— {_e(r.scenario.name)}, {_e(r.fault)}</tspan>'
+            + (
+                f'<tspan class="err" dx="6">FAIL: {_e(_cut(r.verdict.failed[0].what, 60))}</tspan>'
+                if r.violated
+                else ""
+            )
+            + "</text>"
+            f'<text x="6" y="{y + 35:.1f}" class="fs"><tspan class="fk">The client got:</tspan>\u00a0'
+            f"{_e(_cut(client_got(x), 150))}</text>"
+            f'<text x="6" y="{y + 52:.1f}" class="fs"><tspan class="fk">The journal:</tspan>\u00a0'
+            f"{_e(_cut(journal_said(x), 150))}</text>"
+        )
+        height, timeline = _timeline(x)
+        body.append(f'<g transform="translate(0 {y + PANEL_HEAD:.1f})">{timeline}</g>')
+        y += PANEL_HEAD + height + PANEL_GAP
+    legend_h, legend = _legend(y + 6)
+    body.append(legend)
+    y += legend_h + 6
+    day = time.strftime("%Y-%m-%d", time.localtime(info.started_at))
+    body.append(
+        f'<text x="6" y="{y + 12:.1f}" class="fn">Recorded by router-testbed drill on {day}, fault mode '
+        f"{_e(info.fault_mode)}. Times: seconds from the moment the client sent the request.</text>"
+        f'<text x="6" y="{y + 26:.1f}" class="fn">Lanes: what the client got; the gateway\'s journal '
+        "events; one lane per replica with its attempts (bars) and its own log.</text>"
+    )
+    height = math.ceil(y + 36)
+    names = ", ".join(dict.fromkeys(r.scenario.name for r, _ in panels))
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
+        f'height="{height}" role="img" aria-label="{_e(f"router-testbed drill timelines: {names}")}">'
+        f"<style>{FIGURE_CSS}</style>"
+        f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>' + "".join(body) + "</svg>\n"
     )
