@@ -8,6 +8,7 @@ table is a bug in the caller, and raises.
 
     AWAITING_HEADERS ──2xx──▶ HOLDING ──first delta──▶ WRITING_AHEAD ──durable──▶ RELEASED
          │   │                  │  │                        │
+         │   ├──stream gone before its request was let go──▶ FAILED (NOT_SENT: not one of max_attempts)
          │   └──4xx──▶ PASSED_THROUGH                        └──reset──▶ FAILED
          │                      │  └──5xx, 429, error event, abort, too large, no [DONE], reset──▶ FAILED
          └───heartbeat lapsed, progress gap, lease lost (either state)──▶ FENCING ──proof──▶ FAILED
@@ -63,6 +64,9 @@ class FailureReason(enum.StrEnum):
     PATH_LOST = "path_lost"  # the replica side reported bytes that never arrived: fenced
     LEASE_LOST = "lease_lost"  # its lease could not be kept (etcd): it lost the right to publish
     LOST_BEFORE_RELEASE = "lost_before_release"  # reset while our release was on its way; Envoy retried
+    # Its stream ended before its request was let go to the replica (a pooled connection the replica had
+    # closed, a refused connect): no replica saw it, so it is not one of max_attempts.
+    NOT_SENT = "connection_lost_before_request"
 
 
 _FENCE_CAUSES = {
@@ -99,6 +103,12 @@ class StreamReset:
     that never arrived), so the closed connection proves nothing and the attempt must be fenced."""
 
     liveness_uncertain: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NeverSent:
+    """Envoy tore the attempt's stream down before the sidecar let its request go (its request headers were
+    not answered yet): the connection Envoy had picked for it died first. The replica never saw it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +151,7 @@ Input = (
     ResponseHeaders
     | ResponseBody
     | StreamReset
+    | NeverSent
     | LivenessLost
     | FenceProven
     | FenceUnprovable
@@ -348,6 +359,16 @@ class Attempt:
         decisions = self._fail(FailureReason.CONNECTION_LOST, "connection to the replica was lost")
         return [*decisions, *self._settle()]
 
+    def _never_sent(self, e: NeverSent) -> list[Decision]:
+        # Journaled once Envoy's next move confirmed it (RetryGate.confirm_never_sent): there is no stream to
+        # answer and no lease to settle, and Envoy retries it by itself.
+        self._stream_open = False
+        self._fail(
+            FailureReason.NOT_SENT, "its connection closed before the request was sent: no replica saw it"
+        )
+        self.fenced = True  # its request never left Envoy: nothing of it can ever be published
+        return []
+
     def _liveness_lost(self, e: LivenessLost) -> list[Decision]:
         return self._start_fence(e.cause)
 
@@ -475,6 +496,7 @@ _Handler = Any  # Callable[[Attempt, Input], list[Decision]]
 TRANSITIONS: dict[tuple[AttemptState, type], _Handler] = {
     (_S.AWAITING_HEADERS, ResponseHeaders): Attempt._headers,
     (_S.AWAITING_HEADERS, StreamReset): Attempt._reset_live,
+    (_S.AWAITING_HEADERS, NeverSent): Attempt._never_sent,
     (_S.AWAITING_HEADERS, LivenessLost): Attempt._liveness_lost,
     (_S.AWAITING_HEADERS, Superseded): Attempt._superseded,
     (_S.HOLDING, ResponseBody): Attempt._body,
@@ -549,16 +571,20 @@ class RetryGate:
     """The attempts of one logical request and the one place that decides whether another may follow.
 
     Before the first delta only (after it, no attempt ever fails into a retry). A retry needs: budget left
-    (`before_first_delta.max_attempts`), retries not blocked (cost cap, no journal), the previous attempt
-    fenced (`source_attempt_fenced`), a compatible replica to land on, and for an attempt whose liveness
-    was uncertain the policy's `uncertain_source_liveness.then`. A refusal is final: `on_final` ends the
-    logical request with it, and every later attempt Envoy may start is refused with the same answer.
+    (`before_first_delta.max_attempts`, counting the attempts a replica may have seen: one that died at its
+    connection before its request was sent is listed, not counted), retries not blocked (cost cap, no
+    journal), the previous attempt fenced (`source_attempt_fenced`), a compatible replica to land on, and
+    for an attempt whose liveness was uncertain the policy's `uncertain_source_liveness.then`. A refusal is
+    final: `on_final` ends the logical request with it, and every later attempt Envoy may start is refused
+    with the same answer.
     """
 
     def __init__(self, policy: Policy, outbox: list[Event], on_final: Callable[[FailRequest], None]) -> None:
         self.attempts: list[Attempt] = []
         self.retry_blocked: str | None = None  # why no retry may ever start (None: within the budget)
         self.final: FailRequest | None = None
+        # Attempts Envoy started whose stream ended before their request was let go: (attempt_id, replica).
+        self._never_sent: list[tuple[str, str]] = []
         self._policy = policy
         self._outbox = outbox
         self._on_final = on_final
@@ -568,8 +594,30 @@ class RetryGate:
         return self._policy.before_first_delta.max_attempts if self.retry_blocked is None else 1
 
     @property
+    def counted(self) -> int:
+        """The attempts that count against max_attempts: those a replica may have seen (all but NOT_SENT)."""
+        return sum(1 for a in self.attempts if a.failure is not FailureReason.NOT_SENT)
+
+    @property
     def retries_left(self) -> int:
-        return 0 if self.final is not None else max(0, self.max_attempts - len(self.attempts))
+        return 0 if self.final is not None else max(0, self.max_attempts - self.counted)
+
+    def note_never_sent(self, attempt_id: str, replica: str) -> None:
+        """An attempt's stream ended before its request was let go. Its connection died (a pooled connection
+        the replica had closed, a refused connect) if Envoy then starts another attempt or answers the client
+        itself (`confirm_never_sent`); if the client left instead, nothing is journaled."""
+        self._never_sent.append((attempt_id, replica))
+
+    def unseen_before(self, envoy_attempt: int) -> int:
+        """How many attempts before Envoy's attempt number `envoy_attempt` the gateway never saw: their
+        streams ended before their first message was read (each died at its connection). Note each."""
+        return max(0, envoy_attempt - 1 - len(self.attempts) - len(self._never_sent))
+
+    def confirm_never_sent(self) -> None:
+        """Envoy moved on (a new attempt, or its own answer): the noted attempts are journaled, uncounted."""
+        pending, self._never_sent = self._never_sent, []
+        for attempt_id, replica in pending:
+            self.begin(attempt_id, replica).handle(NeverSent())
 
     def block(self, reason: str) -> None:
         self.retry_blocked = self.retry_blocked or reason
@@ -577,13 +625,19 @@ class RetryGate:
     def admit(self) -> Admission:
         if self.final is not None:
             return Refuse(self.final)
+        self.confirm_never_sent()
         previous = self.attempts[-1] if self.attempts else None
-        if previous is not None:
-            if previous.state in (*LIVE_STATES, AttemptState.WRITING_AHEAD, AttemptState.RELEASED):
-                return Supersede(previous)
-            if not previous.fenced and previous.state is not AttemptState.PASSED_THROUGH:
-                return AwaitFence(previous)
-        if len(self.attempts) >= self.max_attempts:
+        if previous is not None and previous.state in (
+            *LIVE_STATES,
+            AttemptState.WRITING_AHEAD,
+            AttemptState.RELEASED,
+        ):
+            return Supersede(previous)
+        # The last attempt a replica saw may sit behind one that never left Envoy: it is fenced all the same.
+        for earlier in reversed(self.attempts):
+            if not earlier.fenced and earlier.state is not AttemptState.PASSED_THROUGH:
+                return AwaitFence(earlier)
+        if self.counted >= self.max_attempts:
             return Refuse(self.finish(self._exhausted(previous)))
         return Admit()
 
@@ -627,6 +681,9 @@ class RetryGate:
                     "(etcd unreachable)",
                 )
             )
+        if failed.reason is FailureReason.NOT_SENT:
+            # Envoy retries it by itself (its stream is gone: there is no answer to write); it cost nothing.
+            return TriggerRetry(failed.reason.value)
         if failed.reason in _UNCERTAIN and self._policy.uncertain_source_liveness.then == FAIL:
             return self.finish(
                 FailRequest(
@@ -636,7 +693,7 @@ class RetryGate:
                     "and the policy (uncertain_source_liveness.then: fail_request) allows no retry",
                 )
             )
-        if attempt.number < self.max_attempts and self.final is None:
+        if self.counted < self.max_attempts and self.final is None:
             if no_compatible_replica is not None:
                 return self.finish(
                     FailRequest(
@@ -673,6 +730,9 @@ class RetryGate:
                 retry_after=last.retry_after,
             )
         why = f"; the last: {last.failure.value}" if last is not None and last.failure else ""
+        unsent = len(self.attempts) - self.counted
+        if unsent:
+            why += f"; {unsent} more died at their connection before the request was sent (not counted)"
         return FailRequest(
             502, Outcome.RETRIES_EXHAUSTED, f"all {self.max_attempts} attempts failed before any content{why}"
         )

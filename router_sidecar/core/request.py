@@ -80,6 +80,8 @@ class ResponseStarted:
     details: str = ""
     # Why a pinned request has nowhere to go (the shell asks the registry), for Envoy's "no host" answers.
     no_compatible_replica: str | None = None
+    # How many attempts Envoy made (its upstream.request_attempt_count; None: it did not say).
+    envoy_attempts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +208,7 @@ class LogicalRequest:
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
         self.tool_calls_dropped = 0  # beyond tools.max_calls_per_request: counted, not listed
         self.outbox: list[Event] = []
+        self.envoy_attempts: int | None = None  # as Envoy counts them (a response attribute, its access log)
         self.gate = RetryGate(policy, self.outbox, self._failed)
         cap = policy.reprefill_cost_cap.max_prompt_tokens
         if parsed.estimated_prompt_tokens > cap:
@@ -301,6 +304,9 @@ class LogicalRequest:
     def _started(self, e: ResponseStarted) -> Decision:
         r = self._response
         r.status = e.status
+        # Envoy answered: an attempt whose stream ended before its request was let go had lost its connection.
+        self.gate.confirm_never_sent()
+        self.note_envoy_attempts(e.envoy_attempts)
         last = self.gate.attempts[-1] if self.gate.attempts else None
         released = last is not None and last.state in (AttemptState.RELEASED, AttemptState.PASSED_THROUGH)
         from_replica = e.details in ("via_upstream", "")  # "": Envoy did not say; trust the release
@@ -337,6 +343,11 @@ class LogicalRequest:
         )
         return ReplaceResponse(self.gate.finish(self._envoy_verdict(e)))
 
+    def note_envoy_attempts(self, count: int | None) -> None:
+        """Envoy's own count of the attempts it made (it can only grow)."""
+        if count is not None and count > (self.envoy_attempts or 0):
+            self.envoy_attempts = count
+
     def _envoy_verdict(self, e: ResponseStarted) -> FailRequest:
         attempts = len(self.gate.attempts)
         flags = ",".join(sorted(e.flags)) or "none"
@@ -362,13 +373,30 @@ class LogicalRequest:
                     f"no compatible replica is left to send the request to: {e.no_compatible_replica} {said}",
                 )
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no healthy replica was available {said}")
-        if attempts == 0:
+        if attempts == 0 and not self.envoy_attempts:
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached {said}")
-        return FailRequest(
-            502,
-            Outcome.RETRIES_EXHAUSTED,
-            f"{attempts} attempt(s) failed before any content and Envoy made no further attempt {said}",
-        )
+        return FailRequest(502, Outcome.RETRIES_EXHAUSTED, f"{self._attempts_told(e.flags)} {said}")
+
+    def _attempts_told(self, flags: frozenset[str]) -> str:
+        """How many attempts ran and how each ended, as the journal lists them and as Envoy counted them."""
+        listed = self.gate.attempts
+        made = max(self.envoy_attempts or 0, len(listed))
+        ended = ", ".join(f"{a.number}: {a.failure.value if a.failure else a.state.value}" for a in listed)
+        told = f"Envoy made {made} attempt(s), none delivered content"
+        if listed:
+            told += f" ({ended})"
+        unseen = made - len(listed)
+        if unseen:
+            told += f"; {unseen} ended before the gateway saw it (its connection died before it was sent)"
+        reached = self.gate.counted
+        if "URX" in flags and reached < self.gate.max_attempts:
+            told += (
+                f"; {reached} reached a replica, fewer than max_attempts ({self.gate.max_attempts}): Envoy's "
+                "retry limit was used up by attempts that died at their connection"
+            )
+        elif "URX" not in flags:
+            told += "; Envoy made no further attempt"
+        return told
 
     # --- response body ---------------------------------------------------------------------------------
 

@@ -325,6 +325,7 @@ class Inference(PassThrough):
             flags=m.response_flags(attrs.get("response.flags")),
             details=str(attrs.get("response.code_details", "")),
             no_compatible_replica=self._no_compatible_replica(request),
+            envoy_attempts=m.attempt_count(attrs.get("upstream.request_attempt_count")),
         )
         decision = request.handle(started)
         self._services.journal.update(request)

@@ -90,9 +90,14 @@ class Registry:
             live.access_logged.set()
 
     def note_access_log(
-        self, request_id: str, cause: DownstreamLoss | None, status: int | None = None
+        self,
+        request_id: str,
+        cause: DownstreamLoss | None,
+        status: int | None = None,
+        attempts: int | None = None,
     ) -> None:
         live = self._live.get(request_id)
         if live is not None:
             live.loss_cause, live.client_status = cause, status
+            live.request.note_envoy_attempts(attempts)  # Envoy's count, for the journal record
             live.access_logged.set()

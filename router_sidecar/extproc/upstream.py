@@ -71,16 +71,30 @@ class UpstreamStream:
             return
         request = live.request
         replica = str(attrs.get("upstream.address") or "unknown")
+        # Envoy numbers its attempts: one whose stream ended before we read it shows up as a gap.
+        envoy_attempt = m.attempt_count(attrs.get("upstream.request_attempt_count"))
+        for _ in range(request.gate.unseen_before(envoy_attempt or 0)):
+            request.gate.note_never_sent(new_attempt_id(), "unknown")
         # One admission at a time per request: Envoy may start the next attempt while this stream still
         # waits for etcd, and that one must see this attempt (and supersede it) rather than run beside it.
-        async with live.admission:
-            if not await self._admit(context, request):
-                return
-            # The lease first: an attempt on record always has one (Envoy may cancel this stream meanwhile).
-            attempt_id = new_attempt_id()
-            lease = await self._leases.grant(attempt_id=attempt_id, request_id=request_id, replica=replica)
-            attempt = self._attempt = request.gate.begin(attempt_id, replica)
-            attempt.lease = lease
+        try:
+            async with live.admission:
+                if not await self._admit(context, request):
+                    return
+                # The lease first: an attempt on record always has one (Envoy may cancel this stream now).
+                attempt_id = new_attempt_id()
+                lease = await self._leases.grant(
+                    attempt_id=attempt_id, request_id=request_id, replica=replica
+                )
+                attempt = self._attempt = request.gate.begin(attempt_id, replica)
+                attempt.lease = lease
+        except asyncio.CancelledError:
+            # Torn down before its request was let go: the connection Envoy had picked died first (a pooled
+            # one the replica had closed, a refused connect), or the client left. The gate journals it
+            # (uncounted) once Envoy's next attempt or its own answer shows which (docs/envoy-facts.md).
+            if request.gate.final is None and not request.is_terminal:
+                request.gate.note_never_sent(new_attempt_id(), replica)
+            raise
         self._journal.update(request)  # also opens the attempt's span: its context goes to the replica
         telemetry = self._services.telemetry
         logs.bind(request_id=request_id, attempt_id=attempt.attempt_id, trace_id=telemetry.trace_id(request))

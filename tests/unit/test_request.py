@@ -1309,3 +1309,43 @@ def test_a_malformed_event_before_any_content_fails_the_attempt(payload: bytes) 
     decisions = attempt.handle(ResponseBody(payload, False))
     assert [type(d).__name__ for d in decisions] == ["Failed"]
     assert attempt.failure is FailureReason.MALFORMED_EVENT and not attempt.first_delta
+
+
+def test_the_verdict_counts_the_attempt_that_died_at_its_connection() -> None:
+    """The issue's run: attempt 1 failed before content and was retried; Envoy's retry met a pooled connection
+    the replica had just closed, its stream ended before the sidecar let the request go, and Envoy's retry
+    limit ended the request. The verdict says how many attempts ran, how each ended, and why it ended."""
+    request = new_request()
+    _one_retry_refused(request)  # attempt 1: the replica answered 503, the sidecar asked Envoy to retry
+    request.gate.note_never_sent("att_2", "10.0.0.2:8000")  # attempt 2's stream: cancelled before release
+    request.drain_events()
+    details = "upstream_reset_before_response_started{connection_termination}"
+    decision = request.handle(
+        ResponseStarted(503, "text/plain", frozenset({"UC", "URX"}), details, envoy_attempts=2)
+    )
+    assert isinstance(decision, ReplaceResponse)
+    verdict = decision.verdict
+    assert verdict.code == Outcome.RETRIES_EXHAUSTED
+    told = "Envoy made 2 attempt(s), none delivered content (1: upstream_status, 2: connection_lost_before_"
+    assert told in verdict.message
+    assert "1 reached a replica, fewer than max_attempts (2)" in verdict.message
+    assert "no further attempt" not in verdict.message
+    assert [(a.number, a.failure) for a in request.attempts] == [
+        (1, FailureReason.UPSTREAM_STATUS),
+        (2, FailureReason.NOT_SENT),
+    ]
+    assert request.envoy_attempts == 2
+    assert [e.name for e in request.drain_events()][:2] == [
+        EventName.ATTEMPT_STARTED,
+        EventName.ATTEMPT_FAILED,
+    ]
+
+
+def test_attempts_envoy_made_that_the_gateway_never_saw_are_told() -> None:
+    request = new_request()
+    _one_retry_refused(request)
+    started_ = ResponseStarted(503, "text/plain", frozenset({"UC", "URX"}), _RESET_DETAILS, envoy_attempts=3)
+    decision = request.handle(started_)
+    assert isinstance(decision, ReplaceResponse)
+    assert "Envoy made 3 attempt(s)" in decision.verdict.message
+    assert "2 ended before the gateway saw it" in decision.verdict.message

@@ -419,3 +419,70 @@ def test_on_final_exactly_once_over_a_whole_story() -> None:
     g.gate.verdict(second, Failed(FailureReason.UPSTREAM_STATUS), no_compatible_replica="none left")
     assert g.finals == [verdict]
     assert g.gate.final is verdict
+
+
+# --- attempts that never left Envoy ----------------------------------------------------------------------
+
+
+def test_an_attempt_that_died_at_its_connection_is_journaled_but_not_counted() -> None:
+    g = new_gate()  # max_attempts 2
+    first = g.start()
+    verdict = g.gate.verdict(first, fail_503(first), no_compatible_replica=None)
+    assert verdict == TriggerRetry("upstream_status")
+    settle(first, verdict)
+    # Envoy's retry picked a pooled connection the replica had closed: its stream ended before the sidecar
+    # let the request go. Noted, and journaled once Envoy moved on (here: it starts another attempt).
+    g.gate.note_never_sent("att-2", "10.0.0.2:8000")
+    assert len(g.gate.attempts) == 1
+    assert g.gate.admit() == Admit()
+    second = g.gate.attempts[-1]
+    assert (second.number, second.attempt_id, second.state) == (2, "att-2", AttemptState.FAILED)
+    assert second.failure is FailureReason.NOT_SENT and second.fenced
+    assert g.gate.counted == 1 and g.gate.retries_left == 1
+    third = g.gate.begin("att-3", "10.0.0.3:8000")
+    assert third.number == 3
+    assert g.gate.verdict(third, fail_503(third), no_compatible_replica=None) == g.finals[0]
+    (final,) = g.finals
+    assert final.code == Outcome.RETRIES_EXHAUSTED
+    assert "all 2 attempts failed" in final.message
+    assert "1 more died at their connection before the request was sent" in final.message
+    assert g.names()[:6] == [
+        ("attempt_started", 1),
+        ("attempt_failed", 1),
+        ("retry_triggered", 1),
+        ("attempt_started", 2),
+        ("attempt_failed", 2),
+        ("attempt_started", 3),
+    ]
+
+
+def test_a_never_sent_attempt_gets_a_retry_even_without_retries() -> None:
+    g = new_gate(NO_RETRY)  # max_attempts 1: a stale connection cost the replica nothing
+    g.gate.note_never_sent("att-1", "10.0.0.1:8000")
+    assert g.gate.admit() == Admit()
+    assert g.gate.retries_left == 1
+    second = g.gate.begin("att-2", "10.0.0.2:8000")
+    failed = fail_503(second)
+    assert isinstance(g.gate.verdict(second, failed, no_compatible_replica=None), FailRequest)
+
+
+def test_the_attempt_before_a_never_sent_one_must_still_be_fenced() -> None:
+    g = new_gate()
+    first = g.start()
+    verdict = g.gate.verdict(first, fail_503(first), no_compatible_replica=None)
+    first.handle(VerdictReady(verdict))  # answered, its lease not yet settled
+    g.gate.note_never_sent("att-2", "10.0.0.2:8000")
+    assert g.gate.admit() == AwaitFence(first)
+    first.handle(FenceProven("connection_closed"))
+    assert g.gate.admit() == Admit()
+
+
+def test_noted_attempts_are_not_journaled_until_envoy_moves_on() -> None:
+    g = new_gate()
+    g.start()
+    g.gate.note_never_sent("att-2", "10.0.0.2:8000")  # e.g. the client left: nothing follows
+    assert [a.number for a in g.gate.attempts] == [1]
+    g.gate.confirm_never_sent()  # Envoy answered the client itself: the connection had died
+    assert [a.failure for a in g.gate.attempts] == [None, FailureReason.NOT_SENT]
+    g.gate.confirm_never_sent()
+    assert len(g.gate.attempts) == 2
