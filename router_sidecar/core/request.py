@@ -375,6 +375,12 @@ class LogicalRequest:
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no healthy replica was available {said}")
         if attempts == 0 and not self.envoy_attempts:
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached {said}")
+        if self.gate.counted == 0:
+            # Every attempt died at its connection (refused, or closed before its request was sent).
+            told = self._attempts_told(e.flags)
+            return FailRequest(
+                503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached: {told} {said}"
+            )
         return FailRequest(502, Outcome.RETRIES_EXHAUSTED, f"{self._attempts_told(e.flags)} {said}")
 
     def _attempts_told(self, flags: frozenset[str]) -> str:

@@ -234,6 +234,7 @@ class Inference(PassThrough):
         logs.bind(trace_id=services.telemetry.trace_id(request))
         self._live = live
         live.publisher_lost = self._publisher_lost
+        live.fail_now = self._fail_now
         self._deadline = asyncio.get_running_loop().call_later(
             policy.deadlines.request_seconds, self._deadline_reached
         )
@@ -393,6 +394,13 @@ class Inference(PassThrough):
             # No retry follows, so there is no proof to wait for: revoke, and stop forwarding now.
             await self._services.leases.release(publisher.lease)
         await self._end_with(request.handle(r.PublisherLost(cause)))
+
+    async def _fail_now(self, verdict: FailRequest) -> None:
+        """The request ended on an attempt whose stream is gone (no reply can carry the error there) while
+        Envoy still has retries: the client gets the error now, and Envoy makes no attempt the gate would
+        refuse anyway."""
+        if self._live is not None and not self._response_seen:
+            await self._end_with(r.FailNow(verdict))
 
     def _deadline_reached(self) -> None:
         if self._live is not None:

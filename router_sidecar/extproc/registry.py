@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from router_sidecar.coordination.journal import ClaimConflict
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import Tracked
-from router_sidecar.core.attempt import Attempt
+from router_sidecar.core.attempt import Attempt, FailRequest
 from router_sidecar.core.request import DownstreamLoss, LogicalRequest
 
 
@@ -27,6 +27,9 @@ class Live:
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the downstream stream: ends the client stream when the publishing replica is lost.
     publisher_lost: Callable[[str], Awaitable[None]] | None = None
+    # Set by the downstream stream: answers the client with the request's error at once (no response started),
+    # when the attempt that ended the request cannot (its stream is gone) and Envoy would try again.
+    fail_now: Callable[[FailRequest], Awaitable[None]] | None = None
     publisher_progress: Tracked | None = None  # bytes of the publishing attempt that arrived here
     # The journal claim of the request's id (set by the downstream stream): None once settled in this run's
     # favour (or etcd is away), else the conflict. Nothing reaches the client before it is settled.

@@ -53,6 +53,7 @@ class UpstreamStream:
         self._tracked: Tracked | None = None  # its bytes as received here (liveness from progress)
         self._left = False  # we answered or released: nothing more is written on this stream
         self._handed_over = False  # the downstream now answers for this attempt's progress
+        self._gone = False  # Envoy ended this stream: no reply can carry a verdict any more
         self._handled, self._busy = 0, 0.0  # messages handled and time spent (metrics, once per stream)
         self._live: Live | None = None
 
@@ -118,6 +119,7 @@ class UpstreamStream:
             await self._hold(context, live, attempt)
         except asyncio.CancelledError:
             # Envoy tore the attempt down (reset/refused, or the client left).
+            self._gone = True
             self._feed(request, attempt, a.StreamReset(self._liveness_uncertain(attempt)))
             raise
         finally:
@@ -169,6 +171,7 @@ class UpstreamStream:
         while not self._left:
             message = await context.read()
             if message is grpc.aio.EOF:
+                self._gone = True
                 self._feed(request, attempt, a.StreamReset(self._liveness_uncertain(attempt)))
                 return
             started = time.perf_counter()
@@ -237,6 +240,11 @@ class UpstreamStream:
                 decision.reason.value,
                 "retrying" if isinstance(verdict, a.TriggerRetry) else f"no retry ({verdict.code})",
             )
+            live = self._live
+            if isinstance(verdict, a.FailRequest) and self._gone and live is not None and live.fail_now:
+                # Nothing can answer on this stream, and Envoy's retries leave room for attempts that die at
+                # their connection: the downstream answers now, so Envoy makes none the gate would refuse.
+                asyncio.get_running_loop().create_task(live.fail_now(verdict))
             await self._carry_out(request, attempt, self._handle(request, attempt, a.VerdictReady(verdict)))
         elif isinstance(decision, a.Answer):
             held = [m.RESPONSE_BODY_CONTINUE] * decision.held_chunks
