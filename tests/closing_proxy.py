@@ -1,10 +1,11 @@
 """A TCP proxy in front of one replica that ends the gateway's connections the way an engine's server does.
 
-A connection that carries no request for `idle_close` seconds after a response is closed, as uvicorn's
-`timeout_keep_alive` does (5 s in vLLM and SGLang). With a tiny `idle_close` the replica closes its side
-right after each response unless the next request is already there: Envoy may have handed the connection to
-a waiting request before it reads the FIN. The replica behind it sees one connection per gateway connection;
-its faults (close, reset) pass through. Runs its own event loop in a thread; `stats` counts what it did.
+A connection that carries no request for `idle_close` seconds after a response is closed (None: never), as
+uvicorn's `timeout_keep_alive` does (5 s in vLLM and SGLang). With a tiny `idle_close` the replica closes its
+side right after each response unless the next request is already there: Envoy may have handed the
+connection to a waiting request before it reads the FIN. The replica behind it sees one connection per
+gateway connection; its faults (close, reset) pass through. Runs its own event loop in a thread; `stats`
+counts what it did.
 """
 
 from __future__ import annotations
@@ -94,10 +95,10 @@ class _ResponseEnds:
 
 
 class ClosingProxy:
-    def __init__(self, target: str, *, idle_close: float) -> None:
+    def __init__(self, target: str, *, idle_close: float | None) -> None:
         self.target_host, port = target.rsplit(":", 1)
         self.target_port = int(port)
-        self.idle_close = idle_close
+        self.idle_close = idle_close  # None: connections stay open (it may change between requests)
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.stats = ProxyStats()
@@ -162,7 +163,7 @@ class ClosingProxy:
                 await idle.wait()
                 idle.clear()
                 try:
-                    await asyncio.wait_for(request_waiting.wait(), self.idle_close)
+                    await asyncio.wait_for(request_waiting.wait(), self.idle_close)  # None: no timeout
                 except TimeoutError:
                     self.stats.closed_idle += 1
                     close_both()  # whatever arrives from now on is lost, as with a server's own close

@@ -674,6 +674,18 @@ class _Check:
                 f"the client got HTTP {self.client.status} {code!r}; the journal says phase={phase} "
                 f"outcome={outcome}: its cause must be the one the client was told",
             )
+        if code == "retries_exhausted" and self.final:
+            # Retries run out only when max_attempts attempts reached a replica, or Envoy's whole num_retries
+            # (2 x max_attempts - 1: room for attempts that die at their connection) was used up.
+            counted = [a for a in self.attempts if a.get("detail") != NOT_SENT]
+            made = max(self.journal.get("envoy_attempts") or 0, len(self.attempts))
+            if len(counted) < self.ev.max_attempts and made < 2 * self.ev.max_attempts:
+                self.flag(
+                    "9",
+                    "premature-exhaustion",
+                    f"retries_exhausted after {len(counted)} counted attempt(s) of {self.ev.max_attempts} "
+                    f"(Envoy made {made}): {self._attempts()}",
+                )
         self.expect_delivered_in_journal(0)
 
     def check_error_body(self) -> None:
