@@ -626,7 +626,8 @@ class RetryGate:
         if self.final is not None:
             return Refuse(self.final)
         self.confirm_never_sent()
-        previous = self.attempts[-1] if self.attempts else None
+        # The last attempt a replica may have seen (one that never left Envoy may have come after it).
+        previous = next((a for a in reversed(self.attempts) if a.failure is not FailureReason.NOT_SENT), None)
         if previous is not None and previous.state in (
             *LIVE_STATES,
             AttemptState.WRITING_AHEAD,

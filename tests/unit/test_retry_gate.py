@@ -486,3 +486,16 @@ def test_noted_attempts_are_not_journaled_until_envoy_moves_on() -> None:
     assert [a.failure for a in g.gate.attempts] == [None, FailureReason.NOT_SENT]
     g.gate.confirm_never_sent()
     assert len(g.gate.attempts) == 2
+
+
+def test_a_released_attempt_behind_a_never_sent_one_is_superseded() -> None:
+    """A release that lost the race with its replica's reset (Envoy retried), then a retry that died at its
+    connection: the next attempt supersedes the released one instead of awaiting a fence that never comes."""
+    g = new_gate()
+    first = g.start()
+    first.handle(ResponseHeaders(200, SSE))
+    first.handle(ResponseBody(ROLE + CONTENT, False))
+    first.handle(WriteAheadDone())
+    assert first.state is AttemptState.RELEASED
+    g.gate.note_never_sent("att-2", "10.0.0.2:8000")
+    assert g.gate.admit() == Supersede(first)
