@@ -131,6 +131,7 @@ class Agent:
         fingerprint: Path | None = None,
         ttl: int = 2,
         interval: float = 0.3,
+        advertise: str | None = None,  # where the gateway reaches the replica (default: the sim itself)
     ) -> None:
         self.sim = sim
         self.out = work / f"agent-{sim.name}.out"
@@ -142,7 +143,7 @@ class Agent:
             "--engine",
             sim.endpoint,
             "--advertise",
-            sim.endpoint,
+            advertise or sim.endpoint,
             "--etcd",
             etcd,
             "--ttl",

@@ -46,6 +46,8 @@ from router_testbed.oracle import (
 from tests.harness import split_events
 
 CLIENT_DISCONNECTED = "client_disconnected"
+# The journal's detail of an attempt whose connection died before its request was sent (not counted).
+NOT_SENT = "connection_lost_before_request"
 # Replica outcomes (simulator log) of an abrupt death: the only ones that may reach a client as a reset.
 ABRUPT_REPLICA_OUTCOMES = frozenset({"fault:reset", "fault:exit"})
 
@@ -674,6 +676,18 @@ class _Check:
                 f"the client got HTTP {self.client.status} {code!r}; the journal says phase={phase} "
                 f"outcome={outcome}: its cause must be the one the client was told",
             )
+        if code == "retries_exhausted" and self.final:
+            # Retries run out only when max_attempts attempts reached a replica, or Envoy's whole num_retries
+            # (2 x max_attempts - 1: room for attempts that die at their connection) was used up.
+            counted = [a for a in self.attempts if a.get("detail") != NOT_SENT]
+            made = max(self.journal.get("envoy_attempts") or 0, len(self.attempts))
+            if len(counted) < self.ev.max_attempts and made < 2 * self.ev.max_attempts:
+                self.flag(
+                    "9",
+                    "premature-exhaustion",
+                    f"retries_exhausted after {len(counted)} counted attempt(s) of {self.ev.max_attempts} "
+                    f"(Envoy made {made}): {self._attempts()}",
+                )
         self.expect_delivered_in_journal(0)
 
     def check_error_body(self) -> None:
@@ -795,12 +809,27 @@ class _Check:
                 "attempt-count",
                 f"journal attempt={j.get('attempt')} but {len(self.attempts)} attempts are listed",
             )
-        if len(self.attempts) > self.ev.max_attempts:
+        # An attempt that died at its connection before its request was sent is listed, not counted.
+        counted = [a for a in self.attempts if a.get("detail") != NOT_SENT]
+        if len(counted) > self.ev.max_attempts:
             self.flag(
                 "9",
                 "too-many-attempts",
-                f"{len(self.attempts)} attempts, more than max_attempts {self.ev.max_attempts}",
+                f"{len(counted)} attempts reached a replica, more than max_attempts {self.ev.max_attempts}",
             )
+        # No attempt goes uncounted: each one a replica served is journaled under Envoy's own number for it
+        # (x-envoy-attempt-count), so an attempt Envoy made that the journal missed shows up as a gap.
+        numbers = {a.get("attempt_id"): a.get("attempt") for a in self.attempts}
+        for start in self.replica_starts():
+            journaled = numbers.get(start.get("attempt_id"))
+            if self.final and journaled is not None and journaled != start.get("attempt_count"):
+                self.flag(
+                    "9",
+                    "attempt-undercounted",
+                    f"the replica served Envoy's attempt {start.get('attempt_count')} "
+                    f"({start.get('attempt_id')}), which the journal lists as attempt {journaled}: "
+                    f"{self._attempts()}",
+                )
         delivered_content = bool(self.d.content) or self.d.unary is not None
         # After a reset the first delta may have been written and lost in flight (see `check_reset`).
         lost_in_flight = self.d.kind == "reset" and not delivered_content
@@ -829,13 +858,16 @@ class _Check:
         before the next attempt's was granted, and a fenced attempt was proven fenced before the next
         began."""
         for attempt in self.attempts:
-            if not isinstance(attempt.get("lease"), dict):
+            # One that never left Envoy had no lease to hold (nothing of it could be published).
+            if not isinstance(attempt.get("lease"), dict) and attempt.get("detail") != NOT_SENT:
                 self.flag(
                     "4", "no-lease-record", f"attempt {attempt.get('attempt')} has no lease record: {attempt}"
                 )
         started = attempt_times(self.events, "attempt_started")
         fenced = attempt_times(self.events, "attempt_fenced")
-        for earlier, later in itertools.pairwise(self.attempts):
+        # An attempt that never left Envoy held no lease: the leases to compare are those of the others.
+        leased = [a for a in self.attempts if a.get("detail") != NOT_SENT]
+        for earlier, later in itertools.pairwise(leased):
             lease_e = earlier.get("lease") or {}
             lease_l = later.get("lease") or {}
             revoked, granted = lease_e.get("revoked_at"), lease_l.get("granted_at")

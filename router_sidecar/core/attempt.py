@@ -48,10 +48,13 @@ class AttemptState(enum.Enum):
     PASSED_THROUGH = "passed_through"  # not a replica failure (e.g. 4xx): released unchanged
     FAILED = "failed"  # failed before release; the request's verdict is not known yet
     DECIDED = "decided"  # failed, and the verdict (retry or one error) is known: answered when it can be
+    # Its stream ended before its request was let go (the connection Envoy picked was closed, a connect was
+    # refused): no replica saw it, so it needs no verdict and is not one of max_attempts.
+    NEVER_SENT = "never_sent"
 
 
-# The journal and the client's error body say "failed" for both: the verdict is not an attempt outcome.
-FAILED_STATES = frozenset({AttemptState.FAILED, AttemptState.DECIDED})
+# The journal and the client's error body say "failed" for these: the verdict is not an attempt outcome.
+FAILED_STATES = frozenset({AttemptState.FAILED, AttemptState.DECIDED, AttemptState.NEVER_SENT})
 
 
 class Reply(enum.Enum):
@@ -90,6 +93,9 @@ class FailureReason(enum.StrEnum):
     PATH_LOST = "path_lost"  # the replica side reported bytes that never arrived: fenced
     LEASE_LOST = "lease_lost"  # its lease could not be kept (etcd): it lost the right to publish
     LOST_BEFORE_RELEASE = "lost_before_release"  # reset while our release was on its way; Envoy retried
+    # Its stream ended before its request was let go to the replica (a pooled connection the replica had
+    # closed, a refused connect): no replica saw it, so it is not one of max_attempts.
+    NOT_SENT = "connection_lost_before_request"
 
 
 # Liveness causes (monitors, the shell's reading of a closed connection) → why the fenced attempt failed.
@@ -130,6 +136,12 @@ class StreamReset:
     that never arrived), so the closed connection proves nothing and the attempt must be fenced."""
 
     liveness_uncertain: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NeverSent:
+    """Envoy tore the attempt's stream down before the sidecar let its request go (its request headers were
+    not answered yet): the connection Envoy had picked for it died first. The replica never saw it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +189,7 @@ Input = (
     ResponseHeaders
     | ResponseBody
     | StreamReset
+    | NeverSent
     | LivenessLost
     | FenceProven
     | FenceUnprovable
@@ -280,6 +293,7 @@ class Kind(enum.Enum):
     BODY_FAILED = "error, abort, malformed, too large, no [DONE]"
     CHUNK = "chunk"  # a body chunk in a state that no longer reads: held (never released) or ignored
     RESET = "reset"
+    NEVER_SENT = "gone before its request was sent"
     RESET_UNCERTAIN = "reset (uncertain)"
     LIVENESS_LOST = "liveness lost"
     FENCE_PROVEN = "fence proven"
@@ -413,6 +427,7 @@ class Action(enum.Enum):
     RELEASE = "release"  # release the held headers and chunks
     DECIDE = "decide"  # record the verdict (answered by the reply table when the headers are held)
     PROVEN = "proven"  # the revocation of a closed connection's lease went through: it is fenced
+    UNSENT = "unsent"  # record that no replica saw it (no verdict: Envoy retries it by itself)
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,6 +476,12 @@ TRANSITIONS: dict[tuple[AttemptState, Kind], Step] = {
     (_S.AWAITING_HEADERS, _K.HEADERS_PASS): Step(_S.PASSED_THROUGH, (_A.PASS,)),
     (_S.AWAITING_HEADERS, _K.HEADERS_FAILED): Step(_S.FAILED, (_A.FAIL,)),
     **_lost_while_live(_S.AWAITING_HEADERS, _R.CONNECTION_LOST, _CONNECTION_LOST_DETAIL),
+    (_S.AWAITING_HEADERS, _K.NEVER_SENT): Step(
+        _S.NEVER_SENT,
+        (_A.UNSENT, _A.SETTLE),
+        _R.NOT_SENT,
+        "its connection closed before the request was sent: no replica saw it",
+    ),
     # 2xx headers and every chunk held.
     (_S.HOLDING, _K.BODY_HELD): Step(_S.HOLDING),
     (_S.HOLDING, _K.BODY_FIRST_DELTA): Step(_S.WRITING_AHEAD, (_A.WRITE_AHEAD,)),
@@ -499,6 +520,8 @@ TRANSITIONS: dict[tuple[AttemptState, Kind], Step] = {
     (_S.DECIDED, _K.FENCE_PROVEN): Step(_S.DECIDED, (_A.PROVEN,)),
     **_stay(_S.DECIDED, _K.WRITE_AHEAD_DONE, _K.WRITE_AHEAD_DONE_LEASE_LOST),
     **{(_S.DECIDED, kind): Step(_S.DECIDED, (_A.SETTLE,)) for kind in _GONE},
+    # Never sent: nothing of it exists beyond Envoy; only its lease, if it had one, is settled.
+    (_S.NEVER_SENT, _K.FENCE_PROVEN): Step(_S.NEVER_SENT, (_A.PROVEN,)),
 }
 
 
@@ -554,13 +577,15 @@ class Attempt:
         outbox: list[Event],
         max_held_bytes: int,
         max_event_bytes: int,
+        leased: bool = True,
     ) -> None:
         self.attempt_id = attempt_id
         self.number = number
         self.replica = replica
         self.state = AttemptState.AWAITING_HEADERS
         self.reply = Reply.NOTHING_YET
-        self.lease_state = LeaseState.HELD
+        # An attempt that never had a lease (its stream went before it got one) cannot publish: fenced.
+        self.lease_state = LeaseState.HELD if leased else LeaseState.FENCED
         self.failure: FailureReason | None = None
         self.detail: str | None = None
         self.status: int | None = None
@@ -678,6 +703,11 @@ class Attempt:
         if action is Action.PROVEN:
             self._lease(LeaseEvent.PROVEN)
             return []
+        if action is Action.UNSENT:
+            self.failure, self.detail = step.reason, step.detail
+            assert self.failure is not None
+            self._emit(EventName.ATTEMPT_FAILED, reason=self.failure.value, detail=self.detail)
+            return []
         assert action is Action.DECIDE and isinstance(event, VerdictReady)
         self.verdict = event.verdict
         return []
@@ -714,6 +744,7 @@ class Attempt:
 
 
 _KINDS: dict[type, Kind] = {
+    NeverSent: Kind.NEVER_SENT,
     LivenessLost: Kind.LIVENESS_LOST,
     FenceProven: Kind.FENCE_PROVEN,
     FenceUnprovable: Kind.FENCE_UNPROVABLE,
@@ -723,5 +754,6 @@ _KINDS: dict[type, Kind] = {
 _REPLY_EVENTS: dict[type, ReplyEvent] = {
     ResponseHeaders: ReplyEvent.HEADERS,
     StreamReset: ReplyEvent.STREAM_GONE,
+    NeverSent: ReplyEvent.STREAM_GONE,
     Superseded: ReplyEvent.STREAM_GONE,
 }

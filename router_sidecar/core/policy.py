@@ -29,7 +29,6 @@ __all__ = [
     "DEFAULT_POLICY",
     "ROUTE_POLICY_KEYS",
     "ROUTE_POLICY_METADATA",
-    "AfterFirstDelta",
     "BeforeFirstDelta",
     "Budgets",
     "CostCap",
@@ -48,6 +47,7 @@ __all__ = [
     "TenancyPolicy",
     "ToolsPolicy",
     "UncertainLiveness",
+    "UpstreamConnections",
     "load_policy",
     "load_route_policies",
     "policy_from_mapping",
@@ -128,6 +128,28 @@ def _fail_unless_retrying(policy: Policy, default: str) -> str:
     return default if policy.retries_enabled else FAIL
 
 
+# Keys that earlier versions accepted with one value only: the rules they named are fixed, not configurable.
+# A policy that still sets one is refused with the rule it tried to configure (never silently ignored).
+_FIXED_RULES: Final[dict[str, str]] = {
+    "on_upstream_failure.after_first_delta.action": (
+        "after the first delta a failed stream always ends with a terminal error frame (then [DONE]): the "
+        "decode state exists only in the failed replica, so nothing can continue it"
+    ),
+    "on_upstream_failure.after_first_delta.client_error": (
+        "the terminal error frame's code is always upstream_decode_interrupted (the code clients and the "
+        "journal know)"
+    ),
+    "on_upstream_failure.after_first_delta.automatic_retry": (
+        "there is never an automatic retry after the first delta: the client already holds part of one "
+        "answer, and a retry would append a different one"
+    ),
+    "on_upstream_failure.uncertain_source_liveness.action": (
+        "an attempt whose replica may still be alive is always fenced first (its lease revoked); "
+        "uncertain_source_liveness.wait_for and .then say what ends the fence and what follows"
+    ),
+}
+
+
 # --- the schema -------------------------------------------------------------------------------
 
 
@@ -145,7 +167,8 @@ class BeforeFirstDelta:
     max_attempts: int = field(
         default=2,
         metadata=_key(
-            "all attempts of one logical request, the first one included",
+            "attempts of one logical request that reach a replica, the first one included (one whose "
+            "connection dies before its request is sent is journaled, not counted)",
             lo=1,
             hi=10,
             default_for=_one_attempt_unless_retrying,
@@ -154,42 +177,10 @@ class BeforeFirstDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class AfterFirstDelta:
-    """The client holds part of one answer: no retry can be honest."""
-
-    action: Literal["terminate_stream"] = field(
-        default="terminate_stream",
-        metadata=_key(
-            "end the client stream with a terminal error frame",
-            why="After the first delta the decode state exists only in the failed replica; "
-            "nothing can continue it.",
-        ),
-    )
-    client_error: Literal["upstream_decode_interrupted"] = field(
-        default="upstream_decode_interrupted", metadata=_key("code of the terminal error frame")
-    )
-    automatic_retry: Literal[False] = field(
-        default=False,
-        metadata=_key(
-            "never retry after the first delta",
-            why="After the first delta the client already holds part of one answer; a retry would append "
-            "a different answer (a repeated fragment or two answers in one stream). "
-            "The client decides whether to ask again.",
-        ),
-    )
-
-
-@dataclass(frozen=True, slots=True)
 class UncertainLiveness:
-    """The path is lost but the replica may be alive (partition, frozen process)."""
+    """The path is lost but the replica may be alive (partition, frozen process): its attempt is always fenced
+    first (its lease revoked); these keys say what ends the fence and what follows it."""
 
-    action: Literal["fence_source_attempt"] = field(
-        default="fence_source_attempt",
-        metadata=_key(
-            "revoke the attempt's lease first",
-            why="A replica that may be alive must be fenced before anything else happens.",
-        ),
-    )
     wait_for: FenceWait = field(
         default="cancel_ack_or_lease_expiry",
         metadata=_key(
@@ -208,7 +199,6 @@ class OnUpstreamFailure:
     """What a failed attempt leads to, by what the client already has."""
 
     before_first_delta: BeforeFirstDelta = field(default_factory=BeforeFirstDelta)
-    after_first_delta: AfterFirstDelta = field(default_factory=AfterFirstDelta)
     uncertain_source_liveness: UncertainLiveness = field(default_factory=UncertainLiveness)
 
 
@@ -254,6 +244,24 @@ class Deadlines:
         ),
     )
     connect_seconds: float = field(default=1.0, metadata=_key("TCP connect to a replica", lo=0, open_lo=True))
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConnections:
+    """Envoy's pooled HTTP/1.1 connections to the replicas (rendered into the replicas' cluster)."""
+
+    # vLLM's and SGLang's uvicorn close a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+    # SGLANG_TIMEOUT_KEEP_ALIVE). A request Envoy sends on a connection the engine is closing dies on the
+    # wire; closing idle connections first, on Envoy's side, takes that race away (docs/envoy-facts.md).
+    idle_timeout_seconds: float = field(
+        default=4.0,
+        metadata=_key(
+            "Envoy closes a connection to a replica once it was idle this long: keep it below the engines' "
+            "keep-alive (5 s in vLLM and SGLang), so that no replica closes a connection Envoy may reuse",
+            lo=0.1,
+            hi=3600,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +458,7 @@ class Policy:
     budgets: Budgets = field(default_factory=Budgets)
     reprefill_cost_cap: CostCap = field(default_factory=CostCap)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    upstream_connections: UpstreamConnections = field(default_factory=UpstreamConnections)
     leases: Leases = field(default_factory=Leases)
     limits: Limits = field(default_factory=Limits)
     journal: JournalPolicy = field(default_factory=JournalPolicy)
@@ -461,10 +470,6 @@ class Policy:
     @property
     def before_first_delta(self) -> BeforeFirstDelta:
         return self.on_upstream_failure.before_first_delta
-
-    @property
-    def after_first_delta(self) -> AfterFirstDelta:
-        return self.on_upstream_failure.after_first_delta
 
     @property
     def uncertain_source_liveness(self) -> UncertainLiveness:
@@ -649,8 +654,30 @@ def _mapping(v: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
         raise PolicyError(path, f"must be a mapping with keys {', '.join(allowed)}; got {_show(v)}")
     for key in v:
         if key not in allowed:
-            raise PolicyError(_join(path, str(key)), f"unknown key; allowed here: {', '.join(allowed)}")
+            where = _join(path, str(key))
+            _refuse_fixed_rule(where, v[key])
+            raise PolicyError(where, f"unknown key; allowed here: {', '.join(allowed)}")
     return v
+
+
+def _refuse_fixed_rule(where: str, value: Any) -> None:
+    """A key (or a section of keys) that names a fixed rule: refused with the rule and what to do."""
+    if where in _FIXED_RULES:
+        raise PolicyError(
+            where,
+            f"is not configurable (the rule is fixed: {_FIXED_RULES[where]}); remove the key from the policy",
+        )
+    inside = [path for path in _FIXED_RULES if path.startswith(where + ".")]
+    if inside:
+        given = [_join(where, str(k)) for k in value] if isinstance(value, Mapping) else []
+        named = next((path for path in given if path in _FIXED_RULES), None)
+        if named is not None:
+            _refuse_fixed_rule(named, None)
+        rules = "; ".join(_FIXED_RULES[path] for path in inside)
+        raise PolicyError(
+            where,
+            f"is not configurable (its rules are fixed: {rules}); remove the section from the policy",
+        )
 
 
 def _leaf(kind: Any, v: Any, where: str, spec: KeySpec) -> Any:

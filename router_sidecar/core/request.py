@@ -137,10 +137,13 @@ class ClaimSettled:
 
 @dataclass(frozen=True, slots=True)
 class AttemptArrived:
-    """Envoy started an attempt: its upstream stream's request headers wait for our reply."""
+    """Envoy started an attempt: its upstream stream's request headers wait for our reply. `envoy_attempt` is
+    Envoy's own number for it (`upstream.request_attempt_count`): a gap before it is an attempt whose stream
+    ended before we saw it (its connection died)."""
 
     attempt_id: str
     replica: str
+    envoy_attempt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,8 @@ class LeaseGranted:
 
 @dataclass(frozen=True, slots=True)
 class ArrivalGone:
-    """The stream of an attempt that was never forwarded was torn down."""
+    """The stream of an attempt that was not admitted yet was torn down: its connection died (a pooled one the
+    replica had closed), or the client left. Which one, Envoy's next move tells (`_confirm_never_sent`)."""
 
     attempt_id: str
 
@@ -197,6 +201,8 @@ class ResponseStarted:
     details: str = ""
     # Why a pinned request has nowhere to go (the shell asks the registry), for Envoy's "no host" answers.
     no_compatible_replica: str | None = None
+    # How many attempts Envoy made (its upstream.request_attempt_count; None: it did not say).
+    envoy_attempts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +228,7 @@ class DeadlineReached:
 class DownstreamLost:
     cause: DownstreamLoss
     client_status: int | None = None  # what Envoy's access log says the client got (None: unknown)
+    envoy_attempts: int | None = None  # how many attempts Envoy made, by its access log
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +504,9 @@ class _Attempts:
     # Decisions of attempts that wait for the claim (a verdict, a write-ahead), in order.
     awaiting_claim: list[tuple[Attempt, a.Failed | a.WriteAhead]] = field(default_factory=list)
     awaiting_placement: dict[str, a.Failed] = field(default_factory=dict)  # by attempt id
+    # Attempts whose stream ended before they were admitted, until Envoy's next move says their connection
+    # died (then they are journaled, uncounted): (attempt id, replica).
+    never_sent: list[tuple[str, str]] = field(default_factory=list)
     fence_waits: set[str] = field(default_factory=set)  # attempts a next one waits for (timer running)
     connection_only: set[str] = field(default_factory=set)  # attempts on replicas without a replica side
     lease_ttl: dict[str, int | None] = field(default_factory=dict)
@@ -521,6 +531,7 @@ class LogicalRequest:
         self.retry_blocked: str | None = None  # why no retry may ever start (None: within the budget)
         self.final: FailRequest | None = None  # the refusal that ended the request (every later attempt's)
         self.duplicate: DuplicateRun | None = None  # the claim's refusal
+        self.envoy_attempts: int | None = None  # as Envoy counts them (a response attribute, its access log)
         self._waiting = _Attempts()
         self._headers_waiting: ResponseStarted | None = None
         cap = policy.reprefill_cost_cap.max_prompt_tokens
@@ -548,6 +559,11 @@ class LogicalRequest:
         return self.policy.before_first_delta.max_attempts if self.retry_blocked is None else 1
 
     @property
+    def counted(self) -> int:
+        """The attempts that count against max_attempts: those a replica may have seen."""
+        return sum(1 for x in self.attempts if x.state is not AttemptState.NEVER_SENT)
+
+    @property
     def first_delta_sent(self) -> bool:
         """The write-ahead fact: content of an attempt may have reached the client (so no retry, ever).
         False again if Envoy retried after all: the release never reached its router."""
@@ -569,7 +585,7 @@ class LogicalRequest:
         """Retries still allowed (the article's `retry_budget`)."""
         if self.phase is not Phase.PREFILL or self.final is not None:
             return 0
-        return max(0, self.max_attempts - len(self.attempts))
+        return max(0, self.max_attempts - self.counted)
 
     @property
     def delivered_output_tokens(self) -> int:
@@ -689,11 +705,25 @@ class LogicalRequest:
     # --- attempts: the retry gate ----------------------------------------------------------------------
 
     def _arrived(self, e: AttemptArrived) -> list[Decision]:
+        w = self._waiting
+        if e.envoy_attempt is not None:
+            # Envoy numbers its attempts: one whose stream ended before its first message was read (a refused
+            # connect) shows up as a gap.
+            seen = len(self.attempts) + len(w.never_sent) + len(w.arrivals) + (w.granting is not None)
+            w.never_sent += [(f"{e.attempt_id}~{n}", "unknown") for n in range(e.envoy_attempt - 1 - seen)]
+        self._confirm_never_sent()  # Envoy moved on: those noted before this one died at their connection
         if self.claim is ClaimState.REFUSED:
             assert self.duplicate is not None
             return [RefuseAttempt(e.attempt_id, self.duplicate)]
-        self._waiting.arrivals.append(e)
+        w.arrivals.append(e)
         return []  # handle() admits it if it can
+
+    def _confirm_never_sent(self) -> None:
+        """Journal the noted attempts whose stream ended before their request was let go: not counted."""
+        noted, self._waiting.never_sent = self._waiting.never_sent, []
+        for attempt_id, replica in noted:
+            attempt = self._new_attempt(attempt_id, replica, leased=False)
+            attempt.handle(a.NeverSent())  # no decisions: no stream, no lease, no verdict
 
     def _admit_waiting(self) -> list[Decision]:
         """Admit, hold or refuse the attempts Envoy started, in order. A retry needs the claim settled, the
@@ -702,7 +732,10 @@ class LogicalRequest:
         decisions: list[Decision] = []
         while w.arrivals and w.granting is None:
             arrival = w.arrivals[0]
-            previous = self.attempts[-1] if self.attempts else None
+            # The last attempt a replica may have seen (one that never left Envoy may have come after it).
+            previous = next(
+                (x for x in reversed(self.attempts) if x.state is not AttemptState.NEVER_SENT), None
+            )
             if self.claim is ClaimState.REFUSED:
                 assert self.duplicate is not None
                 w.arrivals.pop(0)
@@ -725,13 +758,22 @@ class LogicalRequest:
                     or any(x is previous for x, _ in w.awaiting_claim)
                 ):
                     break  # its verdict is on its way
-                if not previous.fenced and previous.state is not AttemptState.PASSED_THROUGH:
-                    if previous.attempt_id not in w.fence_waits:
-                        w.fence_waits.add(previous.attempt_id)
-                        ttl = w.lease_ttl.get(previous.attempt_id) or 0
-                        decisions.append(AwaitFence(previous.attempt_id, ttl + FENCE_WAIT_SLACK_SECONDS))
-                    break
-            if len(self.attempts) >= self.max_attempts:
+            unfenced = next(
+                (
+                    x
+                    for x in reversed(self.attempts)
+                    if not x.fenced and x.state is not AttemptState.PASSED_THROUGH
+                ),
+                None,
+            )
+            if unfenced is not None:
+                # Fenced first, even behind an attempt that never left Envoy.
+                if unfenced.attempt_id not in w.fence_waits:
+                    w.fence_waits.add(unfenced.attempt_id)
+                    ttl = w.lease_ttl.get(unfenced.attempt_id) or 0
+                    decisions.append(AwaitFence(unfenced.attempt_id, ttl + FENCE_WAIT_SLACK_SECONDS))
+                break
+            if self.counted >= self.max_attempts:
                 w.arrivals.pop(0)
                 decisions.append(RefuseAttempt(arrival.attempt_id, self._end_with(self._exhausted(previous))))
                 continue
@@ -755,30 +797,38 @@ class LogicalRequest:
         if e.attempt_id in w.gone_while_granting:
             w.gone_while_granting.discard(e.attempt_id)
             return [DiscardLease(e.lease)]  # its stream went meanwhile: no attempt on record
-        limits = self.policy.limits
-        attempt = Attempt(
-            attempt_id=e.attempt_id,
-            number=len(self.attempts) + 1,
-            replica=arrival.replica,
-            outbox=self.outbox,
-            max_held_bytes=limits.max_held_response_bytes,
-            max_event_bytes=limits.max_event_bytes,
-        )
+        attempt = self._new_attempt(e.attempt_id, arrival.replica)
         attempt.lease = e.lease
         w.lease_ttl[e.attempt_id] = e.ttl_seconds
         if not e.replica_side:
             w.connection_only.add(e.attempt_id)
-        self.attempts.append(attempt)
-        self._emit(
-            EventName.ATTEMPT_STARTED, attempt.number, attempt_id=e.attempt_id, replica=arrival.replica
-        )
         return [ForwardAttempt(e.attempt_id)]
+
+    def _new_attempt(self, attempt_id: str, replica: str, *, leased: bool = True) -> Attempt:
+        limits = self.policy.limits
+        attempt = Attempt(
+            attempt_id=attempt_id,
+            number=len(self.attempts) + 1,
+            replica=replica,
+            outbox=self.outbox,
+            max_held_bytes=limits.max_held_response_bytes,
+            max_event_bytes=limits.max_event_bytes,
+            leased=leased,
+        )
+        self.attempts.append(attempt)
+        self._emit(EventName.ATTEMPT_STARTED, attempt.number, attempt_id=attempt_id, replica=replica)
+        return attempt
 
     def _arrival_gone(self, e: ArrivalGone) -> list[Decision]:
         w = self._waiting
-        w.arrivals = [x for x in w.arrivals if x.attempt_id != e.attempt_id]
-        if w.granting is not None and w.granting.attempt_id == e.attempt_id:
+        gone = next((x for x in w.arrivals if x.attempt_id == e.attempt_id), None)
+        if gone is not None:
+            w.arrivals.remove(gone)
+        elif w.granting is not None and w.granting.attempt_id == e.attempt_id:
+            gone = w.granting
             w.gone_while_granting.add(e.attempt_id)
+        if gone is not None and self.final is None and not self.is_terminal:
+            w.never_sent.append((gone.attempt_id, gone.replica))  # journaled if Envoy moves on
         return []
 
     def _for_attempt(self, e: ForAttempt) -> list[Decision]:
@@ -804,7 +854,7 @@ class LogicalRequest:
             )
         else:
             verdict = self._retry(attempt, failed)
-        return self._route(attempt, attempt.handle(a.VerdictReady(verdict)))
+        return self._give(attempt, verdict)
 
     def _fence_wait_over(self, e: FenceWaitOver) -> list[Decision]:
         if e.attempt_id not in self._waiting.fence_waits:
@@ -883,7 +933,7 @@ class LogicalRequest:
                     "and the policy (uncertain_source_liveness.then: fail_request) allows no retry",
                 )
             )
-        elif attempt.number < self.max_attempts:
+        elif self.counted < self.max_attempts:
             if self.fingerprint_digest is not None:
                 # Pinned to a compatibility group: a retry needs a compatible replica to land on.
                 self._waiting.awaiting_placement[attempt.attempt_id] = failed
@@ -891,7 +941,21 @@ class LogicalRequest:
             verdict = self._retry(attempt, failed)
         else:
             verdict = self._end_with(self._exhausted(attempt))
-        return self._route(attempt, attempt.handle(a.VerdictReady(verdict)))
+        return self._give(attempt, verdict)
+
+    def _give(self, attempt: Attempt, verdict: TriggerRetry | FailRequest) -> list[Decision]:
+        """The verdict to its attempt. An error the attempt cannot carry (its stream is gone) goes to the
+        client at once, while no response has reached it (Envoy would otherwise try again, to be refused)."""
+        decisions = self._route(attempt, attempt.handle(a.VerdictReady(verdict)))
+        if (
+            isinstance(verdict, FailRequest)
+            and attempt.reply is a.Reply.STREAM_GONE
+            and self.client is ClientStream.FORWARDED
+            and self.claim is not ClaimState.REFUSED
+        ):
+            self.client = ClientStream.ANSWERED
+            decisions.append(FailNow(verdict))
+        return decisions
 
     def _retry(self, attempt: Attempt, failed: a.Failed) -> TriggerRetry:
         self._emit(EventName.RETRY_TRIGGERED, attempt.number, reason=failed.reason.value)
@@ -921,6 +985,9 @@ class LogicalRequest:
                 retry_after=last.retry_after,
             )
         why = f"; the last: {last.failure.value}" if last is not None and last.failure else ""
+        unsent = len(self.attempts) - self.counted
+        if unsent:
+            why += f"; {unsent} more died at their connection before the request was sent (not counted)"
         return FailRequest(
             502, Outcome.RETRIES_EXHAUSTED, f"all {self.max_attempts} attempts failed before any content{why}"
         )
@@ -941,6 +1008,9 @@ class LogicalRequest:
     def _started(self, e: ResponseStarted) -> list[Decision]:
         r = self._response
         r.status = e.status
+        # Envoy answered: an attempt whose stream ended before its request was let go had lost its connection.
+        self._confirm_never_sent()
+        self._note_envoy_attempts(e.envoy_attempts)
         last = self.attempts[-1] if self.attempts else None
         released = last is not None and last.state in (AttemptState.RELEASED, AttemptState.PASSED_THROUGH)
         from_replica = e.details in ("via_upstream", "")  # "": Envoy did not say; trust the release
@@ -1009,13 +1079,40 @@ class LogicalRequest:
                     f"no compatible replica is left to send the request to: {e.no_compatible_replica} {said}",
                 )
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no healthy replica was available {said}")
-        if attempts == 0:
+        if attempts == 0 and not self.envoy_attempts:
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached {said}")
-        return FailRequest(
-            502,
-            Outcome.RETRIES_EXHAUSTED,
-            f"{attempts} attempt(s) failed before any content and Envoy made no further attempt {said}",
-        )
+        told = self._attempts_told(e.flags)
+        if self.counted == 0:
+            # Every attempt died at its connection (refused, or closed before its request was sent).
+            return FailRequest(
+                503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached: {told} {said}"
+            )
+        return FailRequest(502, Outcome.RETRIES_EXHAUSTED, f"{told} {said}")
+
+    def _attempts_told(self, flags: frozenset[str]) -> str:
+        """How many attempts ran and how each ended, as the journal lists them and as Envoy counted them."""
+        listed = self.attempts
+        made = max(self.envoy_attempts or 0, len(listed))
+        ended = ", ".join(f"{x.number}: {x.failure.value if x.failure else x.state.value}" for x in listed)
+        told = f"Envoy made {made} attempt(s), none delivered content"
+        if listed:
+            told += f" ({ended})"
+        unseen = made - len(listed)
+        if unseen:
+            told += f"; {unseen} ended before the gateway saw it (its connection died before it was sent)"
+        if "URX" in flags and self.counted < self.max_attempts:
+            told += (
+                f"; {self.counted} reached a replica, fewer than max_attempts ({self.max_attempts}): Envoy's "
+                "retry limit was used up by attempts that died at their connection"
+            )
+        elif "URX" not in flags:
+            told += "; Envoy made no further attempt"
+        return told
+
+    def _note_envoy_attempts(self, count: int | None) -> None:
+        """Envoy's own count of the attempts it made (it can only grow)."""
+        if count is not None and count > (self.envoy_attempts or 0):
+            self.envoy_attempts = count
 
     # --- response body ---------------------------------------------------------------------------------
 
@@ -1133,6 +1230,7 @@ class LogicalRequest:
         return [self._terminate([], why, outcome=Outcome.DEADLINE_EXCEEDED)]
 
     def _downstream_lost(self, e: DownstreamLost) -> list[Decision]:
+        self._note_envoy_attempts(e.envoy_attempts)
         cause = e.cause
         if self.is_terminal:
             return []

@@ -90,6 +90,7 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
             estimated_prompt_tokens=parsed.estimated_prompt_tokens,
         ),
         tool_calls_not_listed=request.tool_calls_dropped or None,
+        envoy_attempts=request.envoy_attempts,
     )
 
 

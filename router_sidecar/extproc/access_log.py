@@ -2,7 +2,8 @@
 
 After the first delta, a client-facing stream can be torn down by the client (disconnect) or by the
 replica (reset after headers went out). Both look the same to the ext_proc stream (it is cancelled);
-the access-log entry's response flags tell them apart.
+the access-log entry's response flags tell them apart. The entry also says how many attempts Envoy made,
+one whose connection died before the sidecar saw its stream included (docs/envoy-facts.md).
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ class AccessLogServicer:
                         if entry.response.HasField("response_code")
                         else None
                     )
+                    common = entry.common_properties
                     self._registry.note_access_log(
-                        request_id, classify(entry.common_properties.response_flags), code
+                        request_id,
+                        classify(common.response_flags),
+                        code,
+                        attempts=common.upstream_request_attempt_count or None,
                     )
         return als_pb2.StreamAccessLogsResponse()

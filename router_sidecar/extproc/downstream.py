@@ -275,6 +275,7 @@ class Inference(PassThrough):
                 flags=m.response_flags(attrs.get("response.flags")),
                 details=str(attrs.get("response.code_details", "")),
                 no_compatible_replica=self._no_compatible_replica(request),
+                envoy_attempts=m.attempt_count(attrs.get("upstream.request_attempt_count")),
             )
         )
         if isinstance(decision, r.WithholdResponse):
@@ -355,9 +356,8 @@ class Inference(PassThrough):
                 # Who tore the stream down (the client, the replica, Envoy itself) is in Envoy's access log.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
-                await live.feed(
-                    r.DownstreamLost(live.loss_cause or r.DownstreamLoss.UNKNOWN, live.client_status)
-                )
+                cause = live.loss_cause or r.DownstreamLoss.UNKNOWN
+                await live.feed(r.DownstreamLost(cause, live.client_status, live.envoy_attempts))
         finally:
             live.stop()
             if live.publisher_progress is not None:

@@ -43,6 +43,12 @@ def response_flags(value: object) -> frozenset[str]:
     return frozenset(name for i, name in enumerate(_RESPONSE_FLAGS) if bits >> i & 1)
 
 
+def attempt_count(value: object) -> int | None:
+    """An `upstream.request_attempt_count` attribute (a number; 0 or absent: Envoy made no attempt or did not
+    say)."""
+    return int(value) if isinstance(value, int | float) and value >= 1 else None
+
+
 def attributes(request: ProcessingRequest) -> dict[str, object]:
     """Flatten the attribute structs of a request (keyed by filter name) into one dict."""
     out: dict[str, object] = {}

@@ -69,13 +69,16 @@ class UpstreamStream:
         attempt_id = self._attempt_id = new_attempt_id()
         self._admission = asyncio.get_running_loop().create_future()
         live.attempts[attempt_id] = self
+        # Envoy's own number for this attempt: a gap before it is an attempt whose stream we never saw.
+        envoy_attempt = m.attempt_count(attrs.get("upstream.request_attempt_count"))
         try:
-            await live.feed(r.AttemptArrived(attempt_id, replica))
+            await live.feed(r.AttemptArrived(attempt_id, replica, envoy_attempt))
             admission = await self._admission
         except asyncio.CancelledError:
-            # Envoy tore the attempt down before it was forwarded (the client left, or its connection died).
+            # Torn down before its request was let go: the connection Envoy had picked died first (a pooled
+            # one the replica had closed), or the client left (docs/envoy-facts.md).
             if self._admission.done() and isinstance(self._admission.result(), r.ForwardAttempt):
-                live.feed_soon(r.ForAttempt(attempt_id, a.StreamReset(False)))
+                live.feed_soon(r.ForAttempt(attempt_id, a.NeverSent()))
             else:
                 live.feed_soon(r.ArrivalGone(attempt_id))
             raise
@@ -105,12 +108,16 @@ class UpstreamStream:
 
         unsubscribe = self._services.liveness.on_loss(replica, replica_lost)
         self.tracked = self._services.progress.track(attempt_id, progress_gap)
+        sent = False
         try:
             await context.write(m.request_headers_reply(m.header_mutation(codec.to_headers(attempt_headers))))
+            sent = True  # from here the replica may have the request
             await self._hold(context, live)
         except asyncio.CancelledError:
-            # Envoy tore the attempt down (reset/refused, or the client left).
-            live.feed_soon(r.ForAttempt(attempt_id, a.StreamReset(live.liveness_uncertain(attempt))))
+            # Envoy tore the attempt down: before our reply let the request go (its connection died), or after
+            # (reset/refused, or the client left).
+            lost = a.StreamReset(live.liveness_uncertain(attempt)) if sent else a.NeverSent()
+            live.feed_soon(r.ForAttempt(attempt_id, lost))
             raise
         finally:
             unsubscribe()

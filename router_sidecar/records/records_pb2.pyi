@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JournalRecord(_message.Message):
-    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at")
+    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class JournalRecord(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENVOY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: str
     outcome: str
@@ -50,7 +51,8 @@ class JournalRecord(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[JournalEvent]
     trace: str
     updated_at: float
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    envoy_attempts: int
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ...) -> None: ...
 
 class AttemptRecord(_message.Message):
     __slots__ = ("attempt", "attempt_id", "replica", "outcome", "detail", "status", "lease", "fence")

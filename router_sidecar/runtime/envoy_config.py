@@ -109,6 +109,15 @@ def find_envoy() -> str:
 DEADLINE_GRACE_SECONDS = 1.0
 
 
+def num_retries(max_attempts: int) -> int:
+    """Envoy's retries for a request of `max_attempts`: the retries the policy allows, plus room for one
+    attempt before each that dies at its connection before its request is sent (a pooled connection the
+    replica had closed, a refused connect). Envoy counts those against `num_retries` like any other retry
+    (reset, reset-before-request and connect-failure alike, docs/envoy-facts.md); the sidecar's retry gate
+    does not, and refuses any attempt beyond `max_attempts` that reached a replica itself."""
+    return (max_attempts - 1) + max_attempts
+
+
 def _seconds(value: float) -> str:
     # Envoy's Duration strings are seconds with a fraction ("0.2s"), not "200ms".
     return f"{value:g}s"
@@ -132,7 +141,8 @@ def render(spec: GatewaySpec) -> str:
         # Admission may wait for a duplicate tool call in progress (tools.in_progress_wait_seconds).
         "admission_timeout": _seconds(ADMISSION_MARGIN_SECONDS + p.tools.in_progress_wait_seconds),
         "connect_timeout": _seconds(p.deadlines.connect_seconds),
-        "num_retries": p.on_upstream_failure.before_first_delta.max_attempts - 1,
+        "num_retries": num_retries(p.before_first_delta.max_attempts),
+        "upstream_idle_timeout": _seconds(p.upstream_connections.idle_timeout_seconds),
         "retry_limits": _retry_limits(p),
         "held_limit_bytes": p.limits.max_held_response_bytes,
         "replica_discovery": "STATIC" if all(r.is_ip for r in spec.replicas) else "STRICT_DNS",  # EDS: below
@@ -218,7 +228,8 @@ def _overlay_route(catch_all: dict[str, Any], overlay: RouteOverlay) -> dict[str
         "prefix": "/",
         "headers": [{"name": overlay.header, "string_match": {"exact": overlay.value}}],
     }
-    route["route"]["retry_policy"]["num_retries"] = overlay.policy.before_first_delta.max_attempts - 1
+    retries = num_retries(overlay.policy.before_first_delta.max_attempts)
+    route["route"]["retry_policy"]["num_retries"] = retries
     route["typed_per_filter_config"] = {
         "envoy.filters.http.ext_proc": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import wrappers_pb2 as google_dot_protobuf_dot_wrappers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$router_sidecar/wire/access_log.proto\x12\x16router_sidecar.wire.v1\x1a\x1egoogle/protobuf/wrappers.proto\"\xda\x01\n\x17StreamAccessLogsMessage\x12Y\n\thttp_logs\x18\x02 \x01(\x0b\x32\x44.router_sidecar.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aU\n\x14HTTPAccessLogEntries\x12=\n\tlog_entry\x18\x01 \x03(\x0b\x32*.router_sidecar.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponse\"\xda\x01\n\x12HTTPAccessLogEntry\x12\x42\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.AccessLogCommon\x12>\n\x07request\x18\x03 \x01(\x0b\x32-.router_sidecar.wire.v1.HTTPRequestProperties\x12@\n\x08response\x18\x04 \x01(\x0b\x32..router_sidecar.wire.v1.HTTPResponseProperties\"P\n\x0f\x41\x63\x63\x65ssLogCommon\x12=\n\x0eresponse_flags\x18\x10 \x01(\x0b\x32%.router_sidecar.wire.v1.ResponseFlags\"+\n\x15HTTPRequestProperties\x12\x12\n\nrequest_id\x18\t \x01(\t\"M\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\"\xf0\x02\n\rResponseFlags\x12 \n\x18upstream_request_timeout\x18\x03 \x01(\x08\x12\x1d\n\x15upstream_remote_reset\x18\x05 \x01(\x08\x12#\n\x1bupstream_connection_failure\x18\x06 \x01(\x08\x12\'\n\x1fupstream_connection_termination\x18\x07 \x01(\x08\x12)\n!downstream_connection_termination\x18\x0f \x01(\x08\x12\x1b\n\x13stream_idle_timeout\x18\x11 \x01(\x08\x12,\n$upstream_max_stream_duration_reached\x18\x14 \x01(\x08\x12\x18\n\x10\x64uration_timeout\x18\x17 \x01(\x08\x12\x1f\n\x17upstream_protocol_error\x18\x18 \x01(\x08\x12\x1f\n\x17\x64ownstream_remote_reset\x18\x1c \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$router_sidecar/wire/access_log.proto\x12\x16router_sidecar.wire.v1\x1a\x1egoogle/protobuf/wrappers.proto\"\xda\x01\n\x17StreamAccessLogsMessage\x12Y\n\thttp_logs\x18\x02 \x01(\x0b\x32\x44.router_sidecar.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aU\n\x14HTTPAccessLogEntries\x12=\n\tlog_entry\x18\x01 \x03(\x0b\x32*.router_sidecar.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponse\"\xda\x01\n\x12HTTPAccessLogEntry\x12\x42\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.AccessLogCommon\x12>\n\x07request\x18\x03 \x01(\x0b\x32-.router_sidecar.wire.v1.HTTPRequestProperties\x12@\n\x08response\x18\x04 \x01(\x0b\x32..router_sidecar.wire.v1.HTTPResponseProperties\"x\n\x0f\x41\x63\x63\x65ssLogCommon\x12=\n\x0eresponse_flags\x18\x10 \x01(\x0b\x32%.router_sidecar.wire.v1.ResponseFlags\x12&\n\x1eupstream_request_attempt_count\x18\x18 \x01(\r\"+\n\x15HTTPRequestProperties\x12\x12\n\nrequest_id\x18\t \x01(\t\"M\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\"\xf0\x02\n\rResponseFlags\x12 \n\x18upstream_request_timeout\x18\x03 \x01(\x08\x12\x1d\n\x15upstream_remote_reset\x18\x05 \x01(\x08\x12#\n\x1bupstream_connection_failure\x18\x06 \x01(\x08\x12\'\n\x1fupstream_connection_termination\x18\x07 \x01(\x08\x12)\n!downstream_connection_termination\x18\x0f \x01(\x08\x12\x1b\n\x13stream_idle_timeout\x18\x11 \x01(\x08\x12,\n$upstream_max_stream_duration_reached\x18\x14 \x01(\x08\x12\x18\n\x10\x64uration_timeout\x18\x17 \x01(\x08\x12\x1f\n\x17upstream_protocol_error\x18\x18 \x01(\x08\x12\x1f\n\x17\x64ownstream_remote_reset\x18\x1c \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,11 +41,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HTTPACCESSLOGENTRY']._serialized_start=346
   _globals['_HTTPACCESSLOGENTRY']._serialized_end=564
   _globals['_ACCESSLOGCOMMON']._serialized_start=566
-  _globals['_ACCESSLOGCOMMON']._serialized_end=646
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=648
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=691
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=693
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=770
-  _globals['_RESPONSEFLAGS']._serialized_start=773
-  _globals['_RESPONSEFLAGS']._serialized_end=1141
+  _globals['_ACCESSLOGCOMMON']._serialized_end=686
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=688
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=731
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=733
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=810
+  _globals['_RESPONSEFLAGS']._serialized_start=813
+  _globals['_RESPONSEFLAGS']._serialized_end=1181
 # @@protoc_insertion_point(module_scope)

@@ -33,10 +33,12 @@ class HTTPAccessLogEntry(_message.Message):
     def __init__(self, common_properties: _Optional[_Union[AccessLogCommon, _Mapping]] = ..., request: _Optional[_Union[HTTPRequestProperties, _Mapping]] = ..., response: _Optional[_Union[HTTPResponseProperties, _Mapping]] = ...) -> None: ...
 
 class AccessLogCommon(_message.Message):
-    __slots__ = ("response_flags",)
+    __slots__ = ("response_flags", "upstream_request_attempt_count")
     RESPONSE_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_REQUEST_ATTEMPT_COUNT_FIELD_NUMBER: _ClassVar[int]
     response_flags: ResponseFlags
-    def __init__(self, response_flags: _Optional[_Union[ResponseFlags, _Mapping]] = ...) -> None: ...
+    upstream_request_attempt_count: int
+    def __init__(self, response_flags: _Optional[_Union[ResponseFlags, _Mapping]] = ..., upstream_request_attempt_count: _Optional[int] = ...) -> None: ...
 
 class HTTPRequestProperties(_message.Message):
     __slots__ = ("request_id",)

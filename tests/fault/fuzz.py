@@ -10,7 +10,11 @@ replica agent (heartbeat TTL 2 s, so a frozen replica is seen as lost and fenced
   attempt filter × replica filter, sometimes two clauses) or none; sometimes a client that disconnects
   after k content events;
 * sometimes an environment fault during the batch: a replica SIGKILLed (restarted a moment later), a
-  replica frozen with SIGSTOP for a moment (slow or lost, not dead), or etcd restarted.
+  replica frozen with SIGSTOP for a moment (slow or lost, not dead), or etcd restarted;
+* sometimes connection-closing replicas (`tests/closing_proxy.py` in front of them): one or every replica
+  closes a connection 2-10 ms after each response unless the next request is there, or after a short
+  keep-alive (0.1-0.5 s, well below the gateway's idle timeout, as an engine with a shortened
+  `timeout_keep_alive` would); Envoy then hands requests connections the replica is closing.
 
 After the batch every request's evidence (client bytes, journal record, replica logs) is checked with
 `tests.invariants`, and one normal request plus Envoy's pid check invariant 10. A failing trial prints its
@@ -48,8 +52,10 @@ import httpx
 from router_sidecar.coordination.store import keys
 from router_sidecar.runtime.supervise import Child, free_port, start_etcd
 from router_testbed.sim.faults import parse_fault_spec
+from tests.closing_proxy import ClosingProxy
 from tests.harness import Agent, Gateway, Sim
 from tests.invariants import (
+    NOT_SENT,
     TERMINAL_PHASES,
     ClientOutcome,
     Evidence,
@@ -125,6 +131,8 @@ class TrialSpec:
     replicas: int
     requests: tuple[RequestSpec, ...]
     env_fault: EnvFault | None
+    # Replicas that close idle connections, with after how long (seconds; the rest keep them open).
+    closing: tuple[tuple[str, float], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,7 +146,20 @@ def draw_trial(seed: int) -> TrialSpec:
     concurrency = rng.randint(1, 3) if r < 0.6 else rng.randint(4, 8) if r < 0.9 else rng.randint(9, 32)
     requests = tuple(_draw_request(rng, i, names) for i in range(concurrency))
     env_fault = _draw_env_fault(rng, names) if rng.random() < 0.2 else None
-    return TrialSpec(seed, replicas, requests, env_fault)
+    return TrialSpec(seed, replicas, requests, env_fault, _draw_closing(rng, names))
+
+
+def _draw_closing(rng: random.Random, names: Sequence[str]) -> tuple[tuple[str, float], ...]:
+    """Connection-closing replicas, in a quarter of the trials (drawn last: the rest of a seed's trial is as
+    it was before this fault existed)."""
+    if rng.random() >= 0.25:
+        return ()
+    after_response = rng.random() < 0.6
+    closing = list(names) if rng.random() < 0.3 else [rng.choice(list(names))]
+    return tuple(
+        (name, round(rng.uniform(0.002, 0.01) if after_response else rng.uniform(0.1, 0.5), 3))
+        for name in closing
+    )
 
 
 def _draw_request(rng: random.Random, index: int, names: Sequence[str]) -> RequestSpec:
@@ -277,11 +298,13 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 class Environment:
-    def __init__(self, work: Path, replicas: int) -> None:
+    def __init__(self, work: Path, replicas: int, *, closing_proxies: bool = False) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.work = work
         self.sims: dict[str, Sim] = {}
         self.agents: dict[str, Agent] = {}
+        # Between Envoy and each replica, for trials with connection-closing replicas (open until told).
+        self.proxies: dict[str, ClosingProxy] = {}
         self.gateway: Gateway | None = None
         self.etcd = RestartableEtcd(work)
         try:
@@ -294,14 +317,21 @@ class Environment:
                     token_interval=0.005,
                     extra_args=("--dialect", DIALECTS[name]),
                 )
+            if closing_proxies:
+                self.proxies = {n: ClosingProxy(s.endpoint, idle_close=None) for n, s in self.sims.items()}
             for name, sim in self.sims.items():
                 self.agents[name] = Agent(
-                    sim, self.etcd.endpoint, work, ttl=AGENT_TTL, interval=AGENT_INTERVAL
+                    sim,
+                    self.etcd.endpoint,
+                    work,
+                    ttl=AGENT_TTL,
+                    interval=AGENT_INTERVAL,
+                    advertise=self.advertised(name),
                 )
             config = work / "policy.yaml"
             config.write_text(POLICY)
             self.gateway = Gateway(
-                replicas=[s.endpoint for s in self.sims.values()],
+                replicas=[self.advertised(n) for n in self.sims],
                 etcd=self.etcd.endpoint,
                 work=work,
                 config=config,
@@ -312,6 +342,17 @@ class Environment:
         self.envoy_pid = envoy_pid(self.gateway.proc.pid)
         self.rss_at_start = (rss_mb(self.envoy_pid), rss_mb(self.gateway.proc.pid))
         self._log_offsets = {name: self._log_size(name) for name in self.sims}
+
+    def advertised(self, name: str) -> str:
+        """Where Envoy reaches the replica: its proxy when it has one."""
+        proxy = self.proxies.get(name)
+        return proxy.endpoint if proxy is not None else self.sims[name].endpoint
+
+    def close_connections(self, closing: Sequence[tuple[str, float]]) -> None:
+        """The trial's closing replicas close idle connections after their delay; the others never do."""
+        delays = dict(closing)
+        for name, proxy in self.proxies.items():
+            proxy.idle_close = delays.get(name)
 
     @property
     def gw(self) -> Gateway:
@@ -328,6 +369,8 @@ class Environment:
             agent.stop()
         for sim in self.sims.values():
             sim.stop()
+        for proxy in self.proxies.values():
+            proxy.stop()
         self.etcd.stop()
 
     def rss(self) -> tuple[float | None, float | None]:
@@ -368,9 +411,9 @@ class Environment:
             self.gw.url, sent, outcomes, replica_records=self.new_records, live_pids=self.live_replica_pids
         )
 
-    def registered(self, sim: Sim) -> bool:
+    def registered(self, name: str) -> bool:
         """The replica's agent has it in the registry (read over etcd's JSON gateway, no etcd client here)."""
-        key = base64.b64encode(keys.replica(sim.endpoint).encode()).decode()
+        key = base64.b64encode(keys.replica(self.advertised(name)).encode()).decode()
         try:
             response = httpx.post(f"http://{self.etcd.endpoint}/v3/kv/range", json={"key": key}, timeout=1)
             return response.status_code == 200 and bool(response.json().get("kvs"))
@@ -394,14 +437,14 @@ class Environment:
         except Exception as exc:
             raise EnvironmentBroken(f"could not restart the testbed: {exc}") from exc
         deadline = time.monotonic() + timeout
-        while not all(self.registered(s) for s in self.sims.values()):
+        while not all(self.registered(n) for n in self.sims):
             if time.monotonic() > deadline:
-                missing = [n for n, s in self.sims.items() if not self.registered(s)]
+                missing = [n for n in self.sims if not self.registered(n)]
                 raise EnvironmentBroken(f"replicas {missing} not registered again within {timeout}s")
             time.sleep(POLL)
         # Registered is not yet routable: Envoy learns of it over EDS from the sidecar a moment later.
         try:
-            self.gw.wait_replicas_healthy((s.endpoint for s in self.sims.values()), timeout=timeout)
+            self.gw.wait_replicas_healthy((self.advertised(n) for n in self.sims), timeout=timeout)
         except AssertionError as exc:
             raise EnvironmentBroken(f"Envoy does not route to every replica again: {exc}") from exc
 
@@ -646,7 +689,13 @@ def run_trial(env: Environment, trial: TrialSpec, nonce: str) -> TrialResult:
     env.restore()
     env.mark_logs()
     envoy_before = env.envoy_pid
-    evidence, note = _batch(env, trial, nonce)
+    env.close_connections(trial.closing)
+    try:
+        evidence, note = _batch(env, trial, nonce)
+    finally:
+        env.close_connections(())
+    if trial.closing:
+        note = ", ".join(filter(None, [note, "closing " + " ".join(f"{n}@{d}s" for n, d in trial.closing)]))
     violations = [v for ev in evidence for v in check_request(ev)]
     env.restore()
     alive = env.gw.proc.poll() is None
@@ -677,6 +726,8 @@ class FuzzReport:
     violations: list[tuple[int, Violation]] = field(default_factory=list)  # (trial seed, violation)
     failing_seeds: list[int] = field(default_factory=list)
     env_rebuilds: int = 0
+    # Attempts journaled as dead at their connection before their request was sent (not counted).
+    never_sent: int = 0
     env_errors: list[str] = field(default_factory=list)
     rss: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -695,6 +746,8 @@ class FuzzReport:
         lines = [
             f"fuzz: seed {self.seed}, {self.trials} trials, {self.requests} requests in {self.seconds:.0f}s",
             "outcomes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.outcomes.items())),
+            f"attempts that died at their connection before their request was sent (not counted): "
+            f"{self.never_sent}",
         ]
         by_inv = self.by_invariant()
         if not by_inv:
@@ -762,10 +815,12 @@ def run_trials(
     report = FuzzReport(seed)
     nonce = secrets.token_hex(3)
     started = time.monotonic()
-    groups: dict[int, list[TrialSpec]] = {}
+    # One environment per replica count, and one with proxies in front of the replicas for the trials whose
+    # replicas close connections (the others keep the direct path they always had).
+    groups: dict[tuple[int, bool], list[TrialSpec]] = {}
     for trial in trials:
-        groups.setdefault(trial.replicas, []).append(trial)
-    for replicas, group in sorted(groups.items()):
+        groups.setdefault((trial.replicas, bool(trial.closing)), []).append(trial)
+    for (replicas, closing), group in sorted(groups.items()):
         env: Environment | None = None
         used = 0
         try:
@@ -774,7 +829,7 @@ def run_trials(
                     _close_env(env, report)
                     env = None
                 if env is None:
-                    env = _start_env(work, replicas, report, out)
+                    env = _start_env(work, replicas, report, out, closing_proxies=closing)
                     used = 0
                 used += 1
                 try:
@@ -789,6 +844,11 @@ def run_trials(
                 report.requests += len(trial.requests)
                 kinds = Counter(outcome_kind(ev) for ev in result.evidence[: len(trial.requests)])
                 report.outcomes.update(kinds)
+                report.never_sent += sum(
+                    a.get("detail") == NOT_SENT
+                    for ev in result.evidence
+                    for a in (ev.journal or {}).get("attempts") or []
+                )
                 print(
                     f"trial {trial.seed}: {len(trial.requests)} requests on {replicas} replicas"
                     f"{', ' + result.env_note if result.env_note else ''} in {result.seconds:.1f}s: "
@@ -811,12 +871,16 @@ def run_trials(
     return report
 
 
-def _start_env(work: Path, replicas: int, report: FuzzReport, out: TextIO) -> Environment:
+def _start_env(
+    work: Path, replicas: int, report: FuzzReport, out: TextIO, *, closing_proxies: bool = False
+) -> Environment:
     """A fresh environment; one failed start (e.g. a port taken meanwhile) is retried once."""
     for attempt in (1, 2):
         report.env_rebuilds += 1
         try:
-            return Environment(work / f"env-{replicas}-{report.env_rebuilds}", replicas)
+            return Environment(
+                work / f"env-{replicas}-{report.env_rebuilds}", replicas, closing_proxies=closing_proxies
+            )
         except Exception as exc:
             report.env_errors.append(f"environment start: {exc}"[:300])
             print(f"environment did not start ({exc})" + ("; once more" if attempt == 1 else ""), file=out)

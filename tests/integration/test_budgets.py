@@ -138,8 +138,13 @@ def test_a_pool_wide_failure_at_the_default_budget_does_not_double_the_load(
     overflow = after["upstream_rq_retry_overflow"] - before["upstream_rq_retry_overflow"]
     retried = after["upstream_rq_retry"] - before["upstream_rq_retry"]
     served = sum(len(sim.requests_for(key)) for sim in sims.values() for key in keys)
-    assert retried + overflow == count and served == count + retried, (retried, overflow, served)
-    assert 1 <= retried <= 0.75 * count, (retried, overflow)  # ~half: the budget, not max_attempts, bounds it
+    # Envoy's num_retries leaves room for attempts that die at their connection, so after a request's last
+    # allowed attempt failed Envoy may try once more: the budget refuses it (overflow), or the sidecar does
+    # (a retry that never reaches a replica). A request that was not retried had its retry refused.
+    replica_retries = served - count
+    assert replica_retries <= retried, (retried, overflow, served)
+    assert count - replica_retries <= overflow <= count, (retried, overflow, served)
+    assert 1 <= replica_retries <= 0.75 * count, (retried, overflow)  # ~half: the budget bounds it
     for result in results:
         assert result.status in (502, 503) and result.headers["content-type"] == "application/json", result
         error = json.loads(result.body)["error"]

@@ -32,6 +32,7 @@ from router_sidecar.core.attempt import (
     IllegalInput,
     Input,
     LivenessLost,
+    NeverSent,
     Release,
     ResponseBody,
     ResponseHeaders,
@@ -131,6 +132,7 @@ REPRESENTATIVE: dict[type, Input] = {
     ResponseHeaders: H(200),
     ResponseBody: B(CONTENT),
     StreamReset: StreamReset(),
+    NeverSent: NeverSent(),
     LivenessLost: LivenessLost("heartbeat_lapsed"),
     FenceProven: FenceProven("cancel_ack", 5.0),
     FenceUnprovable: FenceUnprovable(),
@@ -149,6 +151,7 @@ PATHS: dict[AttemptState, list[Input]] = {
     AttemptState.PASSED_THROUGH: [H(404, JSON)],
     AttemptState.FAILED: [H(503, JSON)],  # headers in, stream open, lease not settled, no verdict yet
     AttemptState.DECIDED: [H(503, JSON), VerdictReady(RETRY)],  # answered: its lease is being settled
+    AttemptState.NEVER_SENT: [NeverSent()],  # its lease is being settled
 }
 
 
@@ -164,7 +167,7 @@ class Row:
 
 ILLEGAL = Row(None)
 S = AttemptState
-_AH, _HO, _FE, _WA, _RE, _PT, _FA, _DE = (
+_AH, _HO, _FE, _WA, _RE, _PT, _FA, _DE, _NS = (
     S.AWAITING_HEADERS,
     S.HOLDING,
     S.FENCING,
@@ -173,6 +176,7 @@ _AH, _HO, _FE, _WA, _RE, _PT, _FA, _DE = (
     S.PASSED_THROUGH,
     S.FAILED,
     S.DECIDED,
+    S.NEVER_SENT,
 )
 FENCING_WITH_HEADERS = [H(), B(ROLE), LivenessLost("heartbeat_lapsed")]
 FAILED_BY_FENCE_WITH_VERDICT = [
@@ -189,6 +193,8 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_AH, ResponseHeaders): Row(_HO),
     (_AH, ResponseBody): ILLEGAL,  # Envoy never sends a body before its headers
     (_AH, StreamReset): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    # Its stream ended before its request was let go: no replica saw it; journaled, fenced, not counted.
+    (_AH, NeverSent): Row(_NS, [SETTLE]),  # no replica saw it: no verdict; its lease, if any, settles
     (_AH, LivenessLost): Row(_FE, [StartFence()]),
     (_AH, FenceProven): ILLEGAL,  # no fence and no settlement was started
     (_AH, FenceUnprovable): ILLEGAL,
@@ -199,6 +205,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_HO, ResponseHeaders): ILLEGAL,  # headers twice
     (_HO, ResponseBody): Row(_WA, [WriteAhead()]),
     (_HO, StreamReset): Row(_FA, [Failed(FailureReason.CONNECTION_LOST), SETTLE]),
+    (_HO, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_HO, LivenessLost): Row(_FE, [StartFence()]),
     (_HO, FenceProven): ILLEGAL,
     (_HO, FenceUnprovable): ILLEGAL,
@@ -209,6 +216,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_FE, ResponseHeaders): Row(_FE),  # kept for the answer
     (_FE, ResponseBody): Row(_FE, path=FENCING_WITH_HEADERS),  # never released
     (_FE, StreamReset): Row(_FE),  # the fence goes on: a closed connection proves nothing now
+    (_FE, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_FE, LivenessLost): Row(_FE),  # already fencing: no second fence
     (_FE, FenceProven): Row(_FA, [Failed(FailureReason.REPLICA_LOST)]),
     (_FE, FenceUnprovable): Row(_FA, [Failed(FailureReason.REPLICA_LOST, fence_proven=False)]),
@@ -219,6 +227,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_WA, ResponseHeaders): ILLEGAL,
     (_WA, ResponseBody): Row(_WA),  # held with the rest
     (_WA, StreamReset): Row(_FA, [Failed(FailureReason.LOST_BEFORE_RELEASE), SETTLE]),
+    (_WA, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_WA, LivenessLost): Row(_FE, [StartFence()]),  # not released yet: fence it
     (_WA, FenceProven): ILLEGAL,
     (_WA, FenceUnprovable): ILLEGAL,
@@ -229,6 +238,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_RE, ResponseHeaders): ILLEGAL,
     (_RE, ResponseBody): Row(_RE),
     (_RE, StreamReset): Row(_RE),  # the downstream ends the client stream (or sees the reset)
+    (_RE, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_RE, LivenessLost): Row(_RE),  # the downstream watches the publisher
     (_RE, FenceProven): ILLEGAL,
     (_RE, FenceUnprovable): ILLEGAL,
@@ -239,6 +249,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_PT, ResponseHeaders): ILLEGAL,
     (_PT, ResponseBody): Row(_PT),
     (_PT, StreamReset): Row(_PT),
+    (_PT, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_PT, LivenessLost): Row(_PT),
     (_PT, FenceProven): ILLEGAL,
     (_PT, FenceUnprovable): ILLEGAL,
@@ -249,6 +260,7 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_FA, ResponseHeaders): Row(_FA, path=FAILED_BY_FENCE),  # kept for the answer
     (_FA, ResponseBody): Row(_FA),  # a failed attempt's bytes are never released
     (_FA, StreamReset): Row(_FA, [SETTLE]),  # its connection is closed now: that fences it
+    (_FA, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
     (_FA, LivenessLost): Row(_FA),
     (_FA, FenceProven): Row(_FA, [], path=FAILED_BY_RESET, input=FenceProven("connection_closed")),
     (_FA, FenceUnprovable): ILLEGAL,  # only a fence's wait ends unprovable, and it ended already
@@ -265,11 +277,23 @@ EXPECTED: dict[tuple[AttemptState, type], Row] = {
     (_DE, WriteAheadDone): Row(_DE),
     (_DE, Superseded): Row(_DE),
     (_DE, VerdictReady): ILLEGAL,  # one verdict per failure
+    (_DE, NeverSent): ILLEGAL,  # only an attempt whose request was never let go
+    # Never sent: it has no stream, no replica saw it; only its lease's settlement can still arrive.
+    (_NS, ResponseHeaders): ILLEGAL,
+    (_NS, ResponseBody): ILLEGAL,
+    (_NS, StreamReset): ILLEGAL,
+    (_NS, NeverSent): ILLEGAL,
+    (_NS, LivenessLost): ILLEGAL,
+    (_NS, FenceProven): Row(_NS, [], input=FenceProven("connection_closed")),
+    (_NS, FenceUnprovable): ILLEGAL,
+    (_NS, WriteAheadDone): ILLEGAL,
+    (_NS, Superseded): ILLEGAL,
+    (_NS, VerdictReady): ILLEGAL,  # it needs none
 }
 
 
 def test_table_covers_every_state_and_input() -> None:
-    assert len(INPUT_TYPES) == 9  # the union of inputs was read
+    assert len(INPUT_TYPES) == 10  # the union of inputs was read
     assert set(EXPECTED) == {(s, t) for s in AttemptState for t in INPUT_TYPES}
     assert set(REPRESENTATIVE) == set(INPUT_TYPES)
     assert set(PATHS) == set(AttemptState)

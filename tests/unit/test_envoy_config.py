@@ -75,3 +75,35 @@ def test_deadline_backstop_sits_behind_the_sidecars_timer() -> None:
         "route_config"
     ]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["timeout"] == f"{DEFAULT_POLICY.deadlines.request_seconds + 1:g}s"
+
+
+def _options(config: dict[str, Any]) -> dict[str, Any]:
+    options = clusters(config)["llm"]["typed_extension_protocol_options"]
+    return options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+
+
+def test_upstream_connections_close_before_the_engines_keep_alive() -> None:
+    # vLLM and SGLang (uvicorn) close a connection idle for 5 s; Envoy's default would keep it for an hour.
+    assert _options(rendered())["common_http_protocol_options"] == {"idle_timeout": "4s"}
+    shorter = policy_from_mapping({"upstream_connections": {"idle_timeout_seconds": 1.5}})
+    assert _options(rendered(shorter))["common_http_protocol_options"] == {"idle_timeout": "1.5s"}
+
+
+def test_envoy_retries_leave_room_for_attempts_that_die_at_their_connection() -> None:
+    def retry_policy(policy: Policy) -> dict[str, Any]:
+        hcm = rendered(policy)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        return hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["retry_policy"]
+
+    # `reset` also retries a reset before the request was sent; Envoy counts it like any other retry.
+    assert retry_policy(DEFAULT_POLICY)["retry_on"].split(",")[:2] == ["reset", "connect-failure"]
+    for max_attempts, expected in ((2, 3), (3, 5)):
+        policy = policy_from_mapping(
+            {"on_upstream_failure": {"before_first_delta": {"max_attempts": max_attempts}}}
+        )
+        assert retry_policy(policy)["num_retries"] == expected
+    one = policy_from_mapping({"on_upstream_failure": {"before_first_delta": {"action": "fail_request"}}})
+    assert retry_policy(one)["num_retries"] == 1  # no retry of a request a replica saw; a stale connection's
+
+
+def test_the_downstream_filter_learns_how_many_attempts_envoy_made() -> None:
+    assert "upstream.request_attempt_count" in downstream_filter(rendered())["response_attributes"]

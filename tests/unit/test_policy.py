@@ -28,6 +28,7 @@ from router_sidecar.core.policy import (
     policy_from_mapping,
     policy_keys,
     policy_to_mapping,
+    route_policy,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "policy.example.yaml"
@@ -82,18 +83,16 @@ def test_defaults() -> None:
     bfd = p.before_first_delta
     assert bfd.require == {"source_attempt_fenced", "retry_budget_available"}
     assert (bfd.action, bfd.max_attempts) == ("retry_prefill_on_healthy_replica", 2)
-    assert p.after_first_delta.automatic_retry is False
-    assert p.after_first_delta.client_error == "upstream_decode_interrupted"
     assert p.uncertain_source_liveness.then == "retry_only_if_no_delta_was_sent"
     assert p.budgets == Budgets(50, 3)
     assert p.reprefill_cost_cap.max_prompt_tokens == 32768
     assert p.deadlines == Deadlines(300, 1)
+    assert p.upstream_connections.idle_timeout_seconds == 4  # below the engines' 5 s keep-alive
     assert p.leases.attempt_ttl_seconds == 10
     assert p.limits.max_request_body_bytes == 4194304
     assert p.journal.retention_seconds == 86400
     assert p.retries_enabled
     assert p.before_first_delta is p.on_upstream_failure.before_first_delta
-    assert p.after_first_delta is p.on_upstream_failure.after_first_delta
     assert p.uncertain_source_liveness is p.on_upstream_failure.uncertain_source_liveness
 
 
@@ -155,12 +154,7 @@ on_upstream_failure:
     require: [source_attempt_fenced]
     action: retry_prefill_on_healthy_replica
     max_attempts: 3
-  after_first_delta:
-    action: terminate_stream
-    client_error: upstream_decode_interrupted
-    automatic_retry: false
   uncertain_source_liveness:
-    action: fence_source_attempt
     wait_for: lease_expiry
     then: retry_only_if_no_delta_was_sent
 budgets:
@@ -171,6 +165,8 @@ reprefill_cost_cap:
 deadlines:
   request_seconds: 60
   connect_seconds: 0.25
+upstream_connections:
+  idle_timeout_seconds: 2.5
 leases:
   attempt_ttl_seconds: 5
 limits:
@@ -186,6 +182,7 @@ journal:
     assert p.budgets == Budgets(12.5, 0)
     assert p.reprefill_cost_cap.max_prompt_tokens == 1000
     assert p.deadlines == Deadlines(60, 0.25)
+    assert p.upstream_connections.idle_timeout_seconds == 2.5
     assert p.leases.attempt_ttl_seconds == 5
     assert p.limits.max_request_body_bytes == 65536
     assert p.journal.retention_seconds == 3600
@@ -258,7 +255,7 @@ def test_unknown_key_reports_dotted_path(m: dict[str, Any], path: str) -> None:
         ("on_upstream_failure.before_first_delta.max_attempts", True),
         ("on_upstream_failure.before_first_delta.require", "source_attempt_fenced"),
         ("on_upstream_failure.before_first_delta.action", ["retry_prefill_on_healthy_replica"]),
-        ("on_upstream_failure.after_first_delta.automatic_retry", "false"),
+        ("upstream_connections.idle_timeout_seconds", "4s"),
         ("budgets.retry_budget_percent", "20"),
         ("budgets.retry_budget_percent", True),
         ("budgets.retry_budget_percent", float("nan")),
@@ -282,11 +279,59 @@ def test_top_level_not_a_mapping() -> None:
     assert "mapping" in str(e)
 
 
-def test_automatic_retry_true_is_refused_with_the_reason() -> None:
-    e = error(with_("on_upstream_failure.after_first_delta.automatic_retry", True))
-    assert e.path == "on_upstream_failure.after_first_delta.automatic_retry"
-    assert "must be false" in str(e)
-    assert "two answers" in str(e)
+# Keys that once took one value and changed nothing: the rules they named are fixed. A policy that still sets
+# one (with the value it used to accept, or any other) is refused, naming the key, the rule and what to do.
+FIXED_RULE_KEYS = [
+    ("on_upstream_failure.after_first_delta.action", "terminate_stream", "terminal error frame"),
+    (
+        "on_upstream_failure.after_first_delta.client_error",
+        "upstream_decode_interrupted",
+        "upstream_decode_int",
+    ),
+    ("on_upstream_failure.after_first_delta.automatic_retry", False, "never an automatic retry"),
+    ("on_upstream_failure.uncertain_source_liveness.action", "fence_source_attempt", "always fenced first"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "rule"), FIXED_RULE_KEYS)
+def test_a_key_of_a_fixed_rule_is_refused_with_the_rule_and_what_to_do(
+    path: str, value: Any, rule: str
+) -> None:
+    for given in (value, "anything else"):
+        e = error(with_(path, given))
+        assert e.path == path
+        assert "is not configurable (the rule is fixed:" in str(e)
+        assert rule in str(e)
+        assert "remove the key" in str(e)
+
+
+def test_the_after_first_delta_section_is_refused_whole() -> None:
+    for given in (None, {}, {"unknown": 1}):
+        e = error({"on_upstream_failure": {"after_first_delta": given}})
+        assert e.path == "on_upstream_failure.after_first_delta"
+        assert "its rules are fixed" in str(e) and "remove the section" in str(e)
+
+
+def test_the_old_example_policy_is_refused_at_its_first_fixed_key(tmp_path: Path) -> None:
+    f = tmp_path / "policy.yaml"
+    f.write_text(
+        "on_upstream_failure:\n"
+        "  after_first_delta:\n"
+        "    action: terminate_stream\n"
+        "    client_error: upstream_decode_interrupted\n"
+        "    automatic_retry: false\n"
+    )
+    with pytest.raises(PolicyError) as raised:
+        load_policy(str(f))
+    assert raised.value.path == "on_upstream_failure.after_first_delta.action"
+
+
+def test_a_route_overlay_setting_a_fixed_rule_is_refused() -> None:
+    with pytest.raises(PolicyError) as raised:
+        route_policy(
+            DEFAULT_POLICY, {"on_upstream_failure": {"after_first_delta": {"automatic_retry": False}}}
+        )
+    assert raised.value.path == "on_upstream_failure.after_first_delta.automatic_retry"
 
 
 @pytest.mark.parametrize(
@@ -297,9 +342,8 @@ def test_automatic_retry_true_is_refused_with_the_reason() -> None:
         ("on_upstream_failure.before_first_delta.max_attempts", -1),
         ("on_upstream_failure.before_first_delta.action", "retry_forever"),
         ("on_upstream_failure.before_first_delta.action", "continue_on_healthy_replica"),
-        ("on_upstream_failure.after_first_delta.action", "retry_prefill_on_healthy_replica"),
-        ("on_upstream_failure.after_first_delta.client_error", "oops"),
-        ("on_upstream_failure.uncertain_source_liveness.action", "retry"),
+        ("upstream_connections.idle_timeout_seconds", 0),
+        ("upstream_connections.idle_timeout_seconds", 3601),
         ("on_upstream_failure.uncertain_source_liveness.wait_for", "cancel_ack"),
         ("on_upstream_failure.uncertain_source_liveness.then", "retry_always"),
         ("budgets.retry_budget_percent", 101),
@@ -419,10 +463,10 @@ def test_load_errors(tmp_path: Path) -> None:
     empty.write_text("# nothing\n")
     assert load_policy(str(empty)) == DEFAULT_POLICY
     typo = tmp_path / "typo.yaml"
-    typo.write_text("on_upstream_failure:\n  after_first_delta:\n    automatic_retries: false\n")
+    typo.write_text("on_upstream_failure:\n  before_first_delta:\n    max_attempt: 2\n")
     with pytest.raises(PolicyError) as info:
         load_policy(str(typo))
-    assert info.value.path == "on_upstream_failure.after_first_delta.automatic_retries"
+    assert info.value.path == "on_upstream_failure.before_first_delta.max_attempt"
 
 
 # --- generated from the schema: every key, every section, every bound --------------------------

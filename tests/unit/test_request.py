@@ -37,6 +37,7 @@ from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mappi
 from router_sidecar.core.request import (
     Admitted,
     AnswerAttempt,
+    ArrivalGone,
     AttemptArrived,
     AwaitFence,
     ClaimOutcome,
@@ -1390,3 +1391,57 @@ def test_a_malformed_event_before_any_content_fails_the_attempt(payload: bytes) 
         AnswerAttempt("a1", TriggerRetry("malformed_event"), 1),
     ]
     assert attempt.failure is FailureReason.MALFORMED_EVENT and not attempt.first_delta
+
+
+def test_the_verdict_counts_the_attempt_that_died_at_its_connection() -> None:
+    """The issue's run: attempt 1 failed before content and was retried; Envoy's retry met a pooled connection
+    the replica had just closed, its stream ended before the sidecar let the request go, and Envoy's retry
+    limit ended the request. The verdict says how many attempts ran, how each ended, and why it ended."""
+    request = new_request()
+    _one_retry_refused(request)  # attempt 1: the replica answered 503, the sidecar asked Envoy to retry
+    assert arrive(request, "att_2", "10.0.0.2:8000") == [GrantLease("att_2", "10.0.0.2:8000")]
+    request.handle(ArrivalGone("att_2"))  # attempt 2's stream: cancelled before its request was let go
+    request.drain_events()
+    details = "upstream_reset_before_response_started{connection_termination}"
+    decision, *_ = request.handle(
+        ResponseStarted(503, "text/plain", frozenset({"UC", "URX"}), details, envoy_attempts=2)
+    )
+    assert isinstance(decision, ReplaceResponse) and isinstance(decision.error, FailRequest)
+    verdict = decision.error
+    assert verdict.code == Outcome.RETRIES_EXHAUSTED
+    told = "Envoy made 2 attempt(s), none delivered content (1: upstream_status, 2: connection_lost_before_"
+    assert told in verdict.message
+    assert "1 reached a replica, fewer than max_attempts (2)" in verdict.message
+    assert "no further attempt" not in verdict.message
+    assert [(x.number, x.failure) for x in request.attempts] == [
+        (1, FailureReason.UPSTREAM_STATUS),
+        (2, FailureReason.NOT_SENT),
+    ]
+    assert request.attempts[1].state is AttemptState.NEVER_SENT and request.attempts[1].fenced
+    assert request.envoy_attempts == 2
+    assert views.journal_view(request)["envoy_attempts"] == 2
+    assert [e.name for e in request.drain_events()][:2] == [
+        EventName.ATTEMPT_STARTED,
+        EventName.ATTEMPT_FAILED,
+    ]
+
+
+def test_attempts_envoy_made_that_the_gateway_never_saw_are_told() -> None:
+    request = new_request()
+    _one_retry_refused(request)
+    started_ = ResponseStarted(503, "text/plain", frozenset({"UC", "URX"}), _RESET_DETAILS, envoy_attempts=3)
+    [decision] = request.handle(started_)
+    assert isinstance(decision, ReplaceResponse) and isinstance(decision.error, FailRequest)
+    assert "Envoy made 3 attempt(s)" in decision.error.message
+    assert "2 ended before the gateway saw it" in decision.error.message
+
+
+def test_a_request_none_of_whose_attempts_reached_a_replica_had_no_replica() -> None:
+    request = new_request()
+    assert arrive(request, "att_1", "r1") == [GrantLease("att_1", "r1")]
+    request.handle(ArrivalGone("att_1"))
+    started_ = ResponseStarted(503, "text/plain", frozenset({"UF", "URX"}), _RESET_DETAILS, envoy_attempts=3)
+    [decision] = request.handle(started_)
+    assert isinstance(decision, ReplaceResponse) and isinstance(decision.error, FailRequest)
+    assert (decision.error.status, decision.error.code) == (503, Outcome.NO_REPLICA_AVAILABLE)
+    assert "Envoy made 3 attempt(s)" in decision.error.message

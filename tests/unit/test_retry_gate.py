@@ -427,16 +427,102 @@ def test_fence_wait_over_for_a_fenced_attempt_changes_nothing() -> None:
     assert g.request.final is None
 
 
-def test_an_arrival_whose_stream_goes_during_its_grant_is_never_on_record() -> None:
+def test_an_attempt_whose_stream_went_before_it_was_sent_is_journaled_not_counted() -> None:
+    # Its stream went while its lease was granted (the connection Envoy picked died): once Envoy moves on
+    # (its next attempt), it is on record, numbered, and not counted; its lease is discarded.
     from router_sidecar.core.request import ArrivalGone, DiscardLease
 
-    g = G()
+    g = G(NO_RETRY)  # one attempt allowed: a stale connection cost the replica nothing
     assert g.arrive(1) == [GrantLease("att-1", "10.0.0.1:8000")]
     assert g.handle(ArrivalGone("att-1")) == []
     lease = object()
     assert g.handle(LeaseGranted("att-1", lease, 10, False)) == [DiscardLease(lease)]
-    assert g.request.attempts == []
-    assert g.start(2).number == 1
+    assert g.request.attempts == []  # nothing on record until Envoy's next move says why it went
+    second = g.start(2)
+    first = g.request.attempts[0]
+    assert (first.number, first.attempt_id, first.state, first.failure) == (
+        1,
+        "att-1",
+        AttemptState.NEVER_SENT,
+        FailureReason.NOT_SENT,
+    )
+    assert first.fenced and first.lease is None
+    assert (second.number, g.request.counted, g.request.retry_budget) == (2, 1, 0)
+    assert fail_503(g, second) == FailRequest(
+        502,
+        Outcome.RETRIES_EXHAUSTED,
+        "all 1 attempts failed before any content; the last: upstream_status; 1 more died at their "
+        "connection before the request was sent (not counted)",
+    )
+    names = g.names()
+    assert names[:3] == [("attempt_started", 1), ("attempt_failed", 1), ("attempt_started", 2)]
+    assert ("retry_triggered", 1) not in names
+
+
+def test_a_never_sent_attempt_leaves_the_budget_whole() -> None:
+    from router_sidecar.core.request import ArrivalGone
+
+    g = G()
+    first = g.start()
+    assert fail_503(g, first) == TriggerRetry("upstream_status")
+    g.settle(first)
+    assert g.arrive(2) == [GrantLease("att-2", "10.0.0.2:8000")]
+    g.handle(ArrivalGone("att-2"))
+    g.handle(LeaseGranted("att-2", object(), 10, False))
+    # Envoy's next attempt (its number 3) is admitted: only one attempt reached a replica.
+    assert g.handle(AttemptArrived("att-3", "10.0.0.3:8000", envoy_attempt=3)) == [
+        GrantLease("att-3", "10.0.0.3:8000")
+    ]
+    assert g.grant(3) == [ForwardAttempt("att-3")]
+    third = g.request.attempt("att-3")
+    assert third is not None and third.number == 3
+    verdict = fail_503(g, third)
+    assert isinstance(verdict, FailRequest) and verdict.code == Outcome.RETRIES_EXHAUSTED
+    assert "all 2 attempts failed" in verdict.message
+    assert "1 more died at their connection before the request was sent" in verdict.message
+
+
+def test_the_attempt_before_a_never_sent_one_must_still_be_fenced() -> None:
+    from router_sidecar.core.request import ArrivalGone
+
+    g = G()
+    first = g.start()
+    fail_503(g, first)  # answered; its lease not yet settled
+    assert g.arrive(2) == [AwaitFence("att-1", FENCE_WAIT)]
+    g.handle(ArrivalGone("att-2"))  # its stream went while it waited
+    assert g.arrive(3) == []  # attempt 2 is on record now (never sent), and attempt 1 is still not fenced
+    assert [x.state for x in g.request.attempts] == [AttemptState.DECIDED, AttemptState.NEVER_SENT]
+    assert g.settle(first) == [GrantLease("att-3", "10.0.0.3:8000")]
+
+
+def test_noted_attempts_are_not_journaled_unless_envoy_moves_on() -> None:
+    from router_sidecar.core.request import ArrivalGone, DownstreamLoss, DownstreamLost
+
+    g = G()
+    first = g.start()
+    fail_503(g, first)
+    g.settle(first)
+    g.arrive(2)
+    g.handle(ArrivalGone("att-2"))
+    g.handle(DownstreamLost(DownstreamLoss.CLIENT_GONE))  # the client left: that is why its stream went
+    assert [x.number for x in g.request.attempts] == [1]
+
+
+def test_a_gap_in_envoys_numbering_is_an_attempt_that_died_at_its_connection() -> None:
+    # A release that lost the race with its replica's reset (Envoy retried), then a retry refused at connect
+    # (its stream was cancelled before we read it): the next attempt supersedes the released one, rather than
+    # awaiting a fence that never comes.
+    g = G()
+    first = g.start()
+    g.feed(first, ResponseHeaders(200, SSE), ResponseBody(ROLE + CONTENT, False), WriteAheadDone())
+    assert first.state is AttemptState.RELEASED
+    decisions = g.handle(AttemptArrived("att-3", "10.0.0.3:8000", envoy_attempt=3))
+    assert decisions == [SupersedeAttempt("att-1")]
+    assert [(x.number, x.state) for x in g.request.attempts] == [
+        (1, AttemptState.RELEASED),
+        (2, AttemptState.NEVER_SENT),
+    ]
+    assert g.request.attempts[1].replica == "unknown"
 
 
 def test_one_admission_at_a_time() -> None:

@@ -170,9 +170,10 @@ def test_each_route_is_rendered_before_the_catch_all_with_its_overlay(tmp_path: 
     assert routes[0]["match"] == {"prefix": "/tools/pay/"}
     strict, cheap, catch_all = routes[1], routes[2], routes[3]
     assert strict["match"]["headers"] == [{"name": "x-tier", "string_match": {"exact": "strict"}}]
-    assert strict["route"]["retry_policy"]["num_retries"] == 0
-    assert cheap["route"]["retry_policy"]["num_retries"] == 1
-    assert catch_all["route"]["retry_policy"]["num_retries"] == 1
+    # The route's retries, plus one per attempt for one that dies at its connection before it is sent.
+    assert strict["route"]["retry_policy"]["num_retries"] == 1
+    assert cheap["route"]["retry_policy"]["num_retries"] == 3
+    assert catch_all["route"]["retry_policy"]["num_retries"] == 3
     assert strict["route"]["timeout"] == catch_all["route"]["timeout"]
     (metadata,) = strict["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
         "grpc_initial_metadata"

@@ -451,12 +451,16 @@ class _Echo:
 
 class _Notes:
     def __init__(self) -> None:
-        self.seen: list[tuple[str, DownstreamLoss | None, int | None]] = []
+        self.seen: list[tuple[str, DownstreamLoss | None, int | None, int | None]] = []
 
     def note_access_log(
-        self, request_id: str, cause: DownstreamLoss | None, status: int | None = None
+        self,
+        request_id: str,
+        cause: DownstreamLoss | None,
+        status: int | None = None,
+        attempts: int | None = None,
     ) -> None:
-        self.seen.append((request_id, cause, status))
+        self.seen.append((request_id, cause, status, attempts))
 
 
 def test_envoy_stubs_talk_to_our_services(envoy: dict[str, ModuleType]) -> None:
@@ -493,10 +497,11 @@ def test_envoy_stubs_talk_to_our_services(envoy: dict[str, ModuleType]) -> None:
                 entry.request.request_id = "req-1"
                 entry.response.response_code.value = 200
                 entry.common_properties.response_flags.upstream_remote_reset = True
+                entry.common_properties.upstream_request_attempt_count = 3  # Envoy's count of its attempts
                 log = als.StreamAccessLogsMessage()
                 log.http_logs.log_entry.append(entry)
                 await als_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([log]))
-                assert notes.seen == [("req-1", DownstreamLoss.UPSTREAM_RESET, 200)]
+                assert notes.seen == [("req-1", DownstreamLoss.UPSTREAM_RESET, 200, 3)]
 
                 call = eds_grpc.EndpointDiscoveryServiceStub(channel).StreamEndpoints()
                 await call.write(disc.DiscoveryRequest(type_url=CLA_TYPE))
