@@ -31,6 +31,7 @@ from typing import Any
 
 from router_sidecar.runtime.supervise import Child, find_etcd, free_port, http_ok, wait_until
 from router_testbed.drill import Options, run
+from router_testbed.drill.report import Style
 from router_testbed.sim.process import SimProcess, spawn
 
 REPLICA_NAMES = ("replica-a", "replica-b")
@@ -40,28 +41,6 @@ FAST_TOKEN_INTERVAL = 0.002
 CREDENTIAL = "demo"  # journal look-ups are scoped to a credential (and refused without one)
 REPORT = "drill-report.html"
 RESULTS = "drill-results.json"
-
-
-class Style:
-    """ANSI styling, only on a TTY and without NO_COLOR."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def _wrap(self, code: str, text: str) -> str:
-        return f"\033[{code}m{text}\033[0m" if self.enabled else text
-
-    def bold(self, text: str) -> str:
-        return self._wrap("1", text)
-
-    def dim(self, text: str) -> str:
-        return self._wrap("2", text)
-
-    def red(self, text: str) -> str:
-        return self._wrap("31", text)
-
-    def yellow(self, text: str) -> str:
-        return self._wrap("33", text)
 
 
 S = Style(sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
