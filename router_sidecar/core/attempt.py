@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router_sidecar.core.events import Event, EventName
-from router_sidecar.core.sse import AbortScan, EventKind, SseScanner
+from router_sidecar.core.sse import AbortScan, Classifier, EventKind, SseScanner, classify_openai
 
 # --- states, causes ----------------------------------------------------------------------------------
 
@@ -324,12 +324,14 @@ class AttemptReader:
     """Reads the held response: its status line once, then its body (SSE events, or one JSON answer)
     until the first content, a failure, or a complete generation without content."""
 
-    def __init__(self, *, max_held_bytes: int, max_event_bytes: int) -> None:
+    def __init__(
+        self, *, max_held_bytes: int, max_event_bytes: int, classify: Classifier = classify_openai
+    ) -> None:
         self.held_bytes = 0
         self.retry_after: str | None = None  # a 429's Retry-After, passed on if no other replica serves it
         self._max_held_bytes = max_held_bytes
         self._streaming = False
-        self._scanner = SseScanner(max_event_bytes=max_event_bytes)
+        self._scanner = SseScanner(max_event_bytes=max_event_bytes, classify=classify)  # the API's reading
         self._abort_scan = AbortScan()  # non-stream answers only
         self._finished = False  # a finish_reason that means "generation complete" was seen
 
@@ -577,6 +579,7 @@ class Attempt:
         outbox: list[Event],
         max_held_bytes: int,
         max_event_bytes: int,
+        classify: Classifier = classify_openai,
         leased: bool = True,
     ) -> None:
         self.attempt_id = attempt_id
@@ -594,7 +597,9 @@ class Attempt:
         self.verdict: TriggerRetry | FailRequest | None = None
         self.lease: Any = None  # the shell's lease handle (journal view only; no decision reads it)
         self.held_chunks = 0  # body chunks Envoy sent that wait for our reply
-        self.reader = AttemptReader(max_held_bytes=max_held_bytes, max_event_bytes=max_event_bytes)
+        self.reader = AttemptReader(
+            max_held_bytes=max_held_bytes, max_event_bytes=max_event_bytes, classify=classify
+        )
         self._outbox = outbox
 
     # --- derived facts ---------------------------------------------------------------------------------

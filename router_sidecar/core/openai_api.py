@@ -1,4 +1,5 @@
-"""Parsing and validation of OpenAI-compatible requests at the edge (sans-IO, once per request).
+"""Parsing and validation of inference requests at the edge (sans-IO, once per request): OpenAI's chat
+completions, completions and Responses APIs, and Anthropic's Messages API, as vLLM and SGLang serve them.
 
 The gateway checks only what it needs for its own decisions (routing, first-delta accounting,
 the re-prefill cost cap, replay); everything else is the engine's business and passes through.
@@ -28,6 +29,8 @@ __all__ = [
 class RouteKind(enum.Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # OpenAI's Responses API
+    MESSAGES = "messages"  # Anthropic's Messages API
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class ParsedRequest:
     has_tools: bool
     estimated_prompt_tokens: int  # see estimate_prompt_tokens
     input_digest: str  # "sha256:<hex>" of the raw body bytes (for replay)
+    # Why the request refers to state that lives on one replica (a Responses `previous_response_id`,
+    # `background`): it may not be re-run on another replica. None: any compatible replica may serve it.
+    stateful: str | None = None
 
 
 # vLLM answers with exception class names in "type"; the gateway does the same.
@@ -101,7 +107,11 @@ def estimate_prompt_tokens(kind: RouteKind, req: dict[str, Any]) -> int:
     """
     text_bytes = 0
     token_ids = 0
-    if kind is RouteKind.CHAT:
+    if kind is RouteKind.RESPONSES:
+        text_bytes += _text_bytes(req.get("input")) + _text_bytes(req.get("instructions"))
+    elif kind is RouteKind.MESSAGES:
+        text_bytes += _text_bytes(req.get("messages")) + _text_bytes(req.get("system"))
+    elif kind is RouteKind.CHAT:
         messages = req.get("messages")
         for msg in messages if isinstance(messages, list) else ():
             if not isinstance(msg, dict):
@@ -131,6 +141,20 @@ def estimate_prompt_tokens(kind: RouteKind, req: dict[str, Any]) -> int:
         if defs:
             text_bytes += _utf8_len(json.dumps(defs, ensure_ascii=False, separators=(",", ":")))
     return math.ceil(text_bytes / 4) + token_ids
+
+
+def _text_bytes(v: Any, depth: int = 0) -> int:
+    """UTF-8 bytes of the text in a Responses `input` or a Messages `messages`/`system`: strings, and the
+    `text`/`content`/`input`/`arguments` of their items and content blocks."""
+    if isinstance(v, str):
+        return _utf8_len(v)
+    if depth > 6:
+        return 0  # item → content → block: deeper is not prompt text
+    if isinstance(v, list):
+        return sum(_text_bytes(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return sum(_text_bytes(v.get(k), depth + 1) for k in ("text", "content", "arguments", "output"))
+    return 0
 
 
 def _is_token_ids(v: list[Any]) -> bool:
@@ -217,15 +241,36 @@ def parse_request(
             404, "model_not_found", f"the model `{model}` does not exist. Known models: {known}.", "model"
         )
 
-    if kind is RouteKind.CHAT:
+    stateful: str | None = None
+    if kind in (RouteKind.CHAT, RouteKind.MESSAGES):
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
+            what = "a chat completion" if kind is RouteKind.CHAT else "a Messages request"
             _reject(
                 400,
                 "missing_messages",
-                "a chat completion needs `messages`: a non-empty list of message objects.",
+                f"{what} needs `messages`: a non-empty list of message objects.",
                 "messages",
             )
+        prompts = 1
+    elif kind is RouteKind.RESPONSES:
+        given = req.get("input")
+        if not isinstance(given, str | list) or not given:
+            _reject(
+                400,
+                "missing_input",
+                "a Responses request needs `input`: a string or a non-empty list of input items.",
+                "input",
+            )
+        previous = req.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            _reject(
+                400, "invalid_parameter", "`previous_response_id` must be a string.", "previous_response_id"
+            )
+        if previous:
+            stateful = f"it continues the stored response {previous[:64]} (previous_response_id)"
+        elif req.get("background") is True:
+            stateful = "it runs in the background on the replica that stores it (background: true)"
         prompts = 1
     else:
         if "prompt" not in req or req["prompt"] is None:
@@ -264,7 +309,7 @@ def parse_request(
             "prompt",
         )
 
-    opts = req.get("stream_options")
+    opts = req.get("stream_options") if kind in (RouteKind.CHAT, RouteKind.COMPLETIONS) else None
     if opts is not None and not isinstance(opts, dict):
         _reject(400, "invalid_parameter", "`stream_options` must be an object.", "stream_options")
     opts = opts or {}
@@ -276,7 +321,7 @@ def parse_request(
         _reject(400, "invalid_parameter", "`seed` must be a 64-bit signed integer.", "seed")
     tools = req.get("tools")
     functions = req.get("functions")
-    max_tokens = req.get("max_tokens")
+    max_tokens = req.get("max_output_tokens" if kind is RouteKind.RESPONSES else "max_tokens")
     if max_tokens is None:
         max_tokens = req.get("max_completion_tokens")
     return ParsedRequest(
@@ -290,6 +335,7 @@ def parse_request(
         has_tools=bool(tools) or bool(functions),
         estimated_prompt_tokens=estimate_prompt_tokens(kind, req),
         input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
+        stateful=stateful,
     )
 
 

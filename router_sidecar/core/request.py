@@ -40,18 +40,11 @@ from router_sidecar.core.attempt import (
     TriggerRetry,
     is_event_stream,
 )
+from router_sidecar.core.dialects import Dialect, dialect_for
 from router_sidecar.core.events import Event, EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest
 from router_sidecar.core.policy import FAIL, Policy
-from router_sidecar.core.sse import (
-    DONE_EVENT,
-    AbortScan,
-    EventKind,
-    SseEvent,
-    SseScanner,
-    UsageTail,
-    terminal_error_frame,
-)
+from router_sidecar.core.sse import AbortScan, EventKind, SseEvent, SseScanner, UsageTail
 
 # A previous attempt that was never proven fenced blocks the next one at most its lease's TTL plus this.
 FENCE_WAIT_SLACK_SECONDS = 5
@@ -518,6 +511,7 @@ class LogicalRequest:
         self.tenant = tenant
         self.parsed = parsed
         self.policy = policy
+        self.dialect: Dialect = dialect_for(parsed.kind)  # how its API's stream reads and ends
         self.phase = Phase.PREFILL
         self.outcome: Outcome | None = None
         self.claim = ClaimState.PENDING
@@ -534,13 +528,20 @@ class LogicalRequest:
         self.envoy_attempts: int | None = None  # as Envoy counts them (a response attribute, its access log)
         self._waiting = _Attempts()
         self._headers_waiting: ResponseStarted | None = None
+        if parsed.stateful is not None:
+            # Another replica would answer from nothing (or 404): only the one that holds the state may.
+            self._block(f"the request may only be served where its state is: {parsed.stateful}")
         cap = policy.reprefill_cost_cap.max_prompt_tokens
         if parsed.estimated_prompt_tokens > cap:
             self._block(
                 f"the prompt (~{parsed.estimated_prompt_tokens} tokens) exceeds the re-prefill cost cap "
                 f"({cap}), so it is not retried"
             )
-        self._response = _Response(scanner=SseScanner(max_event_bytes=policy.limits.max_event_bytes))
+        self._response = _Response(
+            scanner=SseScanner(max_event_bytes=policy.limits.max_event_bytes, classify=self.dialect.classify),
+            usage_tail=UsageTail(key=self.dialect.usage_key),
+        )
+        self._notes = self.dialect.notes()  # what our terminal event continues (the Responses API's id)
         self._emit(
             EventName.REQUEST_ACCEPTED,
             route=parsed.kind.value,
@@ -813,6 +814,7 @@ class LogicalRequest:
             outbox=self.outbox,
             max_held_bytes=limits.max_held_response_bytes,
             max_event_bytes=limits.max_event_bytes,
+            classify=self.dialect.classify,
             leased=leased,
         )
         self.attempts.append(attempt)
@@ -1130,7 +1132,8 @@ class LogicalRequest:
             events += r.scanner.close()  # a last event ended by a lone CR is complete now
         for index, event in enumerate(events):
             if event.kind is EventKind.DONE:
-                # [DONE] ends the generation: anything the replica sends after it is not forwarded.
+                # The end ([DONE], or the API's end event with its usage): nothing after it is forwarded.
+                self._count(event)
                 r.done_seen = r.ended = True
                 self._finish(Phase.COMPLETED, Outcome.COMPLETED)
                 return [Forward(_join(events[: index + 1], e.chunk, whole), True)]
@@ -1154,11 +1157,13 @@ class LogicalRequest:
         if e.end_of_stream:
             if r.finished:
                 # Every content event and the finish were forwarded; only [DONE] was missing: complete.
+                # (Only an API whose end is a marker gets here: the others' finish is their end event.)
+                assert self.dialect.end_marker is not None
                 r.ended = True
                 self._finish(Phase.COMPLETED, Outcome.COMPLETED)
-                return [Forward(b"".join(ev.raw for ev in events) + DONE_EVENT, True)]
+                return [Forward(b"".join(ev.raw for ev in events) + self.dialect.end_marker, True)]
             if self.phase is Phase.DECODE:
-                return [self._terminate(events, "upstream ended without [DONE]")]
+                return [self._terminate(events, f"upstream ended without {self.dialect.end_name}")]
             r.ended = True
             self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
             return [Forward(_join(events, e.chunk, whole), True)]
@@ -1286,6 +1291,8 @@ class LogicalRequest:
 
     def _count(self, event: SseEvent) -> None:
         r = self._response
+        if self._notes is not None:
+            self._notes.see(event)
         # Malformed bytes already on their way to the client cannot be proven empty: counted as content.
         if event.kind is EventKind.CONTENT or event.kind is EventKind.MALFORMED:
             r.content_events += 1
@@ -1307,7 +1314,7 @@ class LogicalRequest:
             EventName.STREAM_TERMINATED, reason=why, delivered_output_tokens=self.delivered_output_tokens
         )
         self._finish(Phase.INTERRUPTED, outcome)
-        frame = terminal_error_frame(self.request_id, self.delivered_output_tokens, why)
+        frame = self.dialect.terminal_event(self._notes, self.request_id, self.delivered_output_tokens, why)
         return Terminate(b"".join(e.raw for e in delivered) + frame)
 
     def _finish(self, phase: Phase, outcome: Outcome) -> None:

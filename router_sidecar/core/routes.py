@@ -6,7 +6,8 @@ character (`/v1/chat/completion%73`) or a trailing slash is the same route to uv
 canonicalises once more here, and a request whose canonical path is one of ours is handled as that route
 (and forwarded with the canonical path), never passed through beside admission, the hold and the journal.
 
-    inference  POST /v1/chat/completions, POST /v1/completions      → admitted, held, journaled
+    inference  POST /v1/chat/completions, /v1/completions,           → admitted, held, journaled
+               /v1/responses (OpenAI), /v1/messages (Anthropic)        (docs/design.md#the-streaming-apis)
     tool call  /tools/NAME/... with a method other than GET/HEAD    → idempotency by key
     look-up    GET /v1/requests/{request_id}                         → answered from the journal
     health     GET /livez, GET /readyz                               → answered by the sidecar (probes)
@@ -45,7 +46,12 @@ class Probe(enum.Enum):
 
 
 HEALTH_PATHS = {"/livez": Probe.LIVE, "/readyz": Probe.READY}
-_INFERENCE = {"/v1/chat/completions": RouteKind.CHAT, "/v1/completions": RouteKind.COMPLETIONS}
+_INFERENCE = {
+    "/v1/chat/completions": RouteKind.CHAT,
+    "/v1/completions": RouteKind.COMPLETIONS,
+    "/v1/responses": RouteKind.RESPONSES,
+    "/v1/messages": RouteKind.MESSAGES,
+}
 # Request ids and idempotency keys: what may appear in an etcd key segment and a header value.
 _KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
 _UNRESERVED_ESCAPE = re.compile(r"%(2[dDeE]|3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]|5[fF]|7[eE])")

@@ -18,8 +18,10 @@ keeping a bounded tail of the body instead of the body.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from router_sidecar.records import records_pb2 as rec
 
 __all__ = [
     "DONE_EVENT",
+    "Classifier",
     "EventKind",
     "SseEvent",
     "SseScanner",
@@ -39,7 +42,7 @@ __all__ = [
 
 class EventKind(enum.Enum):
     COMMENT = "comment"  # only comment lines (keep-alives)
-    DONE = "done"  # data: [DONE]
+    DONE = "done"  # the stream's clean end: data: [DONE] (or a named API's terminal event)
     ERROR = "error"  # in-band error object (status was already 200)
     CONTENT = "content"  # a "first delta" candidate: user-visible content
     # Not a JSON object (nor [DONE]): a broken replica. Held, it fails the attempt (the client saw nothing);
@@ -113,9 +116,17 @@ _OPEN_BRACE = ord("{")
 _CLOSE_BRACE = ord("}")
 
 _Classified = tuple[EventKind, str | None, int | None]
+# How one API reads one event: its `event:` name (None without one) and its data payload buf[p:e] → the
+# event's kind, its finish_reason, and the output tokens its usage says (each None where it has none).
+Classifier = Callable[[bytes | None, bytes, int, int], _Classified]
 _NON_CONTENT: _Classified = (EventKind.NON_CONTENT, None, None)
 _DONE: _Classified = (EventKind.DONE, None, None)
 _COMMENT: _Classified = (EventKind.COMMENT, None, None)
+
+
+def classify_openai(name: bytes | None, buf: bytes, p: int, e: int) -> _Classified:
+    """Chat completions and completions: `data:`-only events, the end is `data: [DONE]`."""
+    return _classify_payload(buf, p, e)
 
 
 def _classify_payload(buf: bytes, p: int, e: int) -> _Classified:
@@ -219,9 +230,10 @@ def _classify_by_json(payload: bytes) -> _Classified:
 _LINE_SPLIT_RE = re.compile(rb"\r\n|\r|\n")
 
 
-def _classify_lines(body: bytes) -> _Classified:
+def _classify_lines(body: bytes, classify: Classifier) -> _Classified:
     """Slow path: an event with several lines, comments, other fields or CR line endings."""
     data: list[bytes] = []
+    event: bytes | None = None
     comments = 0
     fields = 0
     for line in _LINE_SPLIT_RE.split(body):
@@ -229,13 +241,16 @@ def _classify_lines(body: bytes) -> _Classified:
             comments += 1
             continue
         name, _, value = line.partition(b":")
+        value = value[1:] if value.startswith(b" ") else value
         if name == b"data":
-            data.append(value[1:] if value.startswith(b" ") else value)
+            data.append(value)
         else:
-            fields += 1  # event:, id:, retry:, unknown: ignored for classification
+            fields += 1  # id:, retry:, unknown: ignored for classification
+            if name == b"event":
+                event = value
     if data:
         payload = data[0] if len(data) == 1 else b"\n".join(data)
-        return _classify_payload(payload, 0, len(payload))
+        return classify(event, payload, 0, len(payload))
     if comments and not fields:
         return _COMMENT
     return _NON_CONTENT
@@ -251,6 +266,7 @@ _BLANK_RE = re.compile(rb"[\r\n]*")
 _LF = ord("\n")
 _CR = ord("\r")
 _DATA_PREFIX = b"data:"
+_EVENT_PREFIX = b"event:"
 _SPACE = ord(" ")
 
 
@@ -260,15 +276,28 @@ def _skip_blank(blank: re.Pattern[bytes], buf: bytes | bytearray, pos: int) -> i
     return m.end() if m else pos
 
 
-def _event(buf: bytes, start: int, body: int, end: int) -> SseEvent:
+def _event(buf: bytes, start: int, body: int, end: int, classify: Classifier) -> SseEvent:
     """LF framing: event is ``buf[start:end + 2]``; its lines are ``buf[body:end]``."""
     if buf.startswith(_DATA_PREFIX, body) and buf.find(b"\n", body, end) < 0:
         p = body + 5
         if p < end and buf[p] == _SPACE:
             p += 1
-        kind, finish, usage = _classify_payload(buf, p, end)
+        kind, finish, usage = classify(None, buf, p, end)
+    elif (
+        buf.startswith(_EVENT_PREFIX, body)
+        and (nl := buf.find(b"\n", body, end)) > 0
+        and (buf.startswith(_DATA_PREFIX, nl + 1) and buf.find(b"\n", nl + 1, end) < 0)
+    ):
+        # `event: NAME` + one `data:` line, the named APIs' common case: no split, no slow path.
+        n = body + 6
+        if buf[n] == _SPACE:
+            n += 1
+        p = nl + 6
+        if p < end and buf[p] == _SPACE:
+            p += 1
+        kind, finish, usage = classify(buf[n:nl], buf, p, end)
     else:
-        kind, finish, usage = _classify_lines(buf[body:end])
+        kind, finish, usage = _classify_lines(buf[body:end], classify)
     return SseEvent(buf[start : end + 2], kind, finish, usage)
 
 
@@ -290,12 +319,13 @@ class SseScanner:
     oversized event means for its stream (fail the attempt, or end the stream with an error).
     """
 
-    __slots__ = ("_body", "_buf", "_cr", "_max_event_bytes", "_oversized", "_resume")
+    __slots__ = ("_body", "_buf", "_classify", "_cr", "_max_event_bytes", "_oversized", "_resume")
 
-    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_event_bytes: int = 1 << 20, classify: Classifier = classify_openai) -> None:
         if max_event_bytes < 1:
             raise ValueError(f"max_event_bytes must be positive, got {max_event_bytes}")
         self._max_event_bytes = max_event_bytes
+        self._classify = classify  # how the stream's API reads an event (core/dialects.py)
         self._oversized = False
         # The held bytes of an incomplete event; empty in the common case.
         self._buf = bytearray()
@@ -417,7 +447,7 @@ class SseScanner:
                 if pos < n:
                     self._hold(buf, pos, body, max(n - 1, body), cr=False)
                 return events
-            events.append(_event(buf, pos, body, end))
+            events.append(_event(buf, pos, body, end, self._classify))
             pos = end + 2
             if pos == n:
                 return events
@@ -436,7 +466,7 @@ class SseScanner:
                     self._hold(buf, pos, body, resume, cr=buf.find(b"\r", pos) >= 0)
                 return events
             end = m.end()
-            kind, finish, usage = _classify_lines(buf[body : m.start()])
+            kind, finish, usage = _classify_lines(buf[body : m.start()], self._classify)
             events.append(SseEvent(buf[pos:end], kind, finish, usage))
             pos = end
             if pos == n:
@@ -483,12 +513,16 @@ class UsageTail:
     ``usage``) is noted as it leaves the tail. Time O(body), memory O(``keep_bytes``).
     """
 
-    __slots__ = ("_before_tail", "_keep_bytes", "_tail", "_tail_after_backslash")
+    __slots__ = ("_before_tail", "_keep_bytes", "_key", "_key_re", "_tail", "_tail_after_backslash")
 
-    def __init__(self, keep_bytes: int = 65536) -> None:
+    def __init__(self, keep_bytes: int = 65536, key: bytes = b"completion_tokens") -> None:
         if keep_bytes < 256:
             raise ValueError(f"keep_bytes must be at least 256, got {keep_bytes}")
         self._keep_bytes = keep_bytes
+        # The usage key the API counts output tokens by (completion_tokens; output_tokens for the Responses
+        # and Messages APIs), read with the same rule.
+        self._key = b'"' + key + b'"'
+        self._key_re = _usage_re(key)
         self._tail = bytearray()
         # The value of the last key that left the tail, if any.
         self._before_tail: int | None = None
@@ -502,13 +536,13 @@ class UsageTail:
         if excess <= 0:
             return
         # Keys that start in the bytes about to leave, read with the rest of the tail after them.
-        stop = excess + len(_USAGE_KEY) - 1
-        i = tail.find(_USAGE_KEY, 0, stop)
+        stop = excess + len(self._key) - 1
+        i = tail.find(self._key, 0, stop)
         while i >= 0:
             value = self._value_at(i)
             if value is not None:
                 self._before_tail = value
-            i = tail.find(_USAGE_KEY, i + 1, stop)
+            i = tail.find(self._key, i + 1, stop)
         self._tail_after_backslash = tail[excess - 1] == _BACKSLASH
         if excess >= self._keep_bytes:
             self._tail = tail[excess:]  # a fresh buffer: do not keep a large chunk's allocation
@@ -518,15 +552,20 @@ class UsageTail:
     def completion_tokens(self) -> int | None:
         tail = self._tail
         end = len(tail)
-        while (i := tail.rfind(_USAGE_KEY, 0, end)) >= 0:
+        while (i := tail.rfind(self._key, 0, end)) >= 0:
             value = self._value_at(i)
             if value is not None:
                 return value
-            end = i + len(_USAGE_KEY) - 1  # keys that start before this one
+            end = i + len(self._key) - 1  # keys that start before this one
         return self._before_tail
 
     def _value_at(self, i: int) -> int | None:
         if i == 0 and self._tail_after_backslash:
             return None
-        m = _USAGE_RE.match(self._tail, i)
+        m = self._key_re.match(self._tail, i)
         return int(m.group(1)) if m else None
+
+
+@functools.cache
+def _usage_re(key: bytes) -> re.Pattern[bytes]:
+    return re.compile(rb'"(?<!\\")' + re.escape(key) + rb'"\s*:\s*(\d{1,18})(?!\d)')

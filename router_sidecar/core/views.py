@@ -10,6 +10,8 @@ import json
 from typing import Any
 
 from router_sidecar.core.attempt import FAILED_STATES, Attempt, AttemptState, FailRequest
+from router_sidecar.core.dialects import ErrorShape, anthropic_error_type
+from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
@@ -40,14 +42,32 @@ def attempt_record(attempt: Attempt, request_phase: Phase) -> rec.AttemptRecord:
 
 
 def error_body(request: LogicalRequest, verdict: FailRequest) -> bytes:
-    """The one JSON error a client gets when no content was delivered: names the request and why."""
+    """The one JSON error a client gets when no content was delivered: names the request and why, in the
+    shape of the request's API."""
+    attempts = [attempt_record(a, request.phase) for a in request.attempts]
+    if request.dialect.errors is ErrorShape.ANTHROPIC:
+        messages = rec.MessagesErrorBody(
+            type="error",
+            error=rec.MessagesError(
+                type=anthropic_error_type(verdict.status),
+                message=verdict.message,
+                code=str(verdict.code),
+                details=rec.MessagesErrorDetails(error_code=str(verdict.code)),
+                request_id=request.request_id,
+                partial_output=False,
+                retryable=True,
+                attempts=attempts,
+            ),
+            request_id=request.request_id,
+        )
+        return json.dumps(codec.to_dict(messages)).encode()
     body = rec.GatewayErrorBody(
         error=rec.GatewayError(
             code=str(verdict.code),
             message=verdict.message,
             type="gateway_error",
             request_id=request.request_id,
-            attempts=[attempt_record(a, request.phase) for a in request.attempts],
+            attempts=attempts,
             partial_output=False,
             retryable=True,
         )
@@ -55,8 +75,53 @@ def error_body(request: LogicalRequest, verdict: FailRequest) -> bytes:
     return json.dumps(codec.to_dict(body)).encode()
 
 
+def error_document(
+    shape: ErrorShape, status: int, code: str, message: str, request_id: str | None, **extra: object
+) -> bytes:
+    """A gateway error that concerns no attempt (admission, keys, look-ups), in the API's shape: OpenAI's
+    `{"error": {…, "type": "gateway_error"}}`, or Anthropic's `{"type": "error", "error": {"type": …}}`."""
+    if shape is ErrorShape.ANTHROPIC:
+        error = {
+            "type": anthropic_error_type(status),
+            "message": message,
+            "code": code,
+            "details": {"error_code": code},
+            "request_id": request_id,
+            **extra,
+        }
+        return json.dumps({"type": "error", "error": error, "request_id": request_id}).encode()
+    body = {
+        "error": {
+            "code": code,
+            "message": message,
+            "type": "gateway_error",
+            "request_id": request_id,
+            **extra,
+        }
+    }
+    return json.dumps(body).encode()
+
+
+def rejection_body(rejected: RequestRejected, request_id: str, shape: ErrorShape) -> bytes:
+    """A request refused at admission (bad JSON, no model, too large): vLLM's own error shape for the
+    OpenAI APIs (its exception name in `type`), Anthropic's for the Messages API."""
+    if shape is ErrorShape.ANTHROPIC:
+        return error_document(
+            shape, rejected.status, rejected.code, rejected.message, request_id, param=rejected.param
+        )
+    return rejected.body(request_id)
+
+
+def request_id_headers(request: LogicalRequest) -> list[tuple[str, str]]:
+    """The request id on a response: `x-request-id`, and Anthropic's `request-id` on the Messages API (its
+    SDK reads the id there)."""
+    if request.dialect.errors is ErrorShape.ANTHROPIC:
+        return [("x-request-id", request.request_id), ("request-id", request.request_id)]
+    return [("x-request-id", request.request_id)]
+
+
 def error_headers(request: LogicalRequest, verdict: FailRequest) -> list[tuple[str, str]]:
-    headers = [("x-request-id", request.request_id)]
+    headers = request_id_headers(request)
     if verdict.retry_after is not None:
         headers.append(("retry-after", verdict.retry_after))
     return headers

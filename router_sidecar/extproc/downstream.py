@@ -24,6 +24,7 @@ from google.protobuf.struct_pb2 import Struct
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
+from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
@@ -68,24 +69,13 @@ def _error(
     message: str,
     request_id: str | None,
     *,
+    shape: ErrorShape = ErrorShape.OPENAI,
     headers: tuple[tuple[str, str], ...] = (),
     **extra: object,
 ) -> m.ProcessingResponse:
     extra_headers = [*headers, *([("x-request-id", request_id)] if request_id else [])]
-    return m.immediate(status, _error_body(code, message, request_id, **extra), extra_headers=extra_headers)
-
-
-def _error_body(code: str, message: str, request_id: str | None, **extra: object) -> bytes:
-    body = {
-        "error": {
-            "code": code,
-            "message": message,
-            "type": "gateway_error",
-            "request_id": request_id,
-            **extra,
-        }
-    }
-    return json.dumps(body).encode()
+    body = views.error_document(shape, status, code, message, request_id, **extra)
+    return m.immediate(status, body, extra_headers=extra_headers)
 
 
 class _Writer:
@@ -163,6 +153,8 @@ class Inference(PassThrough):
         self._request_id = request_id
         self._tenant = tenant
         self._live: Live | None = None
+        assert route.api is not None
+        self._shape = dialect_for(route.api).errors  # the API's error shape, for every error it gets
         self._replacement: bytes | None = None  # our error body, sent instead of the response's own
         # The machine's reply to the message being handled (request body, response headers), when it comes.
         self._reply: asyncio.Future[r.Decision] | None = None
@@ -182,7 +174,9 @@ class Inference(PassThrough):
             )
         except RequestRejected as rejected:
             return m.immediate(
-                rejected.status, rejected.body(request_id), extra_headers=[("x-request-id", request_id)]
+                rejected.status,
+                views.rejection_body(rejected, request_id, self._shape),
+                extra_headers=[("x-request-id", request_id)],
             )
         request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
         pin: Struct | None = None
@@ -196,19 +190,21 @@ class Inference(PassThrough):
                         "no_replica_available",
                         "no healthy replica is registered; try again later",
                         request_id,
+                        shape=self._shape,
                     )
                 return _error(
                     404,
                     "model_not_found",
                     f"no healthy replica serves model {parsed.model!r}; served: {', '.join(served)}",
                     request_id,
+                    shape=self._shape,
                 )
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
             pin = pin_metadata(pinned.digest)
         live = services.registry.add(request, services)
         if live is None:
-            return _in_flight(request_id)
+            return _in_flight(request_id, self._shape)
         live.client = self
         self._live = live
         services.telemetry.admitted(request, self._trace_context)
@@ -250,7 +246,8 @@ class Inference(PassThrough):
 
     def _immediate(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
         if isinstance(error, r.DuplicateRun):
-            return m.immediate(409, _duplicate_body(error, self._request_id), extra_headers=self._id_header)
+            body = _duplicate_body(error, self._request_id, self._shape)
+            return m.immediate(409, body, extra_headers=self._id_header)
         return m.immediate(
             error.status, views.error_body(request, error), extra_headers=views.error_headers(request, error)
         )
@@ -282,13 +279,17 @@ class Inference(PassThrough):
             return None  # the client was answered already
         if isinstance(decision, r.ReplaceResponse):
             return self._replace(request, decision.error)
-        return m.response_headers_reply(m.header_mutation([("x-request-id", request.request_id)]))
+        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)))
 
     def _replace(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
         if self._headers_only:
             return self._immediate(request, error)
         if isinstance(error, r.DuplicateRun):
-            status, body, headers = 409, _duplicate_body(error, self._request_id), self._id_header
+            status, body, headers = (
+                409,
+                _duplicate_body(error, self._request_id, self._shape),
+                self._id_header,
+            )
         else:
             status, body = error.status, views.error_body(request, error)
             headers = views.error_headers(request, error)
@@ -374,11 +375,13 @@ class Inference(PassThrough):
                 services.journal.release(request)
 
 
-def _duplicate_body(duplicate: r.DuplicateRun, request_id: str) -> bytes:
+def _duplicate_body(duplicate: r.DuplicateRun, request_id: str, shape: ErrorShape) -> bytes:
     """The 409 body for a request whose id another run holds: still in flight, or finished with output."""
     if duplicate.in_flight:
-        return _in_flight_body(request_id)
-    return _error_body(
+        return _in_flight_body(request_id, shape)
+    return views.error_document(
+        shape,
+        409,
         "request_already_finished",
         "this Idempotency-Key names a request that already delivered output; its outcome is in "
         "the journal. Send a new key to ask again.",
@@ -388,12 +391,15 @@ def _duplicate_body(duplicate: r.DuplicateRun, request_id: str) -> bytes:
     )
 
 
-def _in_flight(request_id: str) -> m.ProcessingResponse:
-    return m.immediate(409, _in_flight_body(request_id), extra_headers=[("x-request-id", request_id)])
+def _in_flight(request_id: str, shape: ErrorShape) -> m.ProcessingResponse:
+    body = _in_flight_body(request_id, shape)
+    return m.immediate(409, body, extra_headers=[("x-request-id", request_id)])
 
 
-def _in_flight_body(request_id: str) -> bytes:
-    return _error_body(
+def _in_flight_body(request_id: str, shape: ErrorShape) -> bytes:
+    return views.error_document(
+        shape,
+        409,
         "idempotency_key_in_flight",
         "a request with this Idempotency-Key is still in flight; wait for it or look it up",
         request_id,
@@ -514,12 +520,15 @@ class DownstreamStream:
         if route.route_class is RouteClass.PASS_THROUGH:
             return PassThrough(), m.request_headers_reply(m.header_mutation(rewrite, strip))
         # Inference.
+        assert route.api is not None
+        shape = dialect_for(route.api).errors
         if key is not None and not valid_key(key):
             return PassThrough(), _error(
                 400,
                 "invalid_idempotency_key",
                 "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
                 None,
+                shape=shape,
             )
         request_id = key or new_request_id()
         try:
@@ -532,10 +541,11 @@ class DownstreamStream:
                 f"this route's policy (Envoy route config, {ROUTE_POLICY_METADATA}) is invalid: {exc}; "
                 "the gateway's operator must fix it",
                 request_id,
+                shape=shape,
             )
         if message.end_of_stream:
             return PassThrough(), _error(
-                400, "invalid_json", "the request has no body; send a JSON object", request_id
+                400, "invalid_json", "the request has no body; send a JSON object", request_id, shape=shape
             )
         strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))

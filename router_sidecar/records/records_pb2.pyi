@@ -224,6 +224,70 @@ class TerminalError(_message.Message):
     retryable: bool
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., partial_output: _Optional[bool] = ..., delivered_output_tokens: _Optional[int] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
+class ResponsesFailedEvent(_message.Message):
+    __slots__ = ("type", "sequence_number", "response")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    sequence_number: int
+    response: ResponsesFailedResponse
+    def __init__(self, type: _Optional[str] = ..., sequence_number: _Optional[int] = ..., response: _Optional[_Union[ResponsesFailedResponse, _Mapping]] = ...) -> None: ...
+
+class ResponsesFailedResponse(_message.Message):
+    __slots__ = ("id", "object", "created_at", "model", "status", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    object: str
+    created_at: int
+    model: str
+    status: str
+    error: TerminalError
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., error: _Optional[_Union[TerminalError, _Mapping]] = ...) -> None: ...
+
+class MessagesErrorBody(_message.Message):
+    __slots__ = ("type", "error", "request_id")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    error: MessagesError
+    request_id: str
+    def __init__(self, type: _Optional[str] = ..., error: _Optional[_Union[MessagesError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class MessagesError(_message.Message):
+    __slots__ = ("type", "message", "code", "details", "request_id", "partial_output", "delivered_output_tokens", "retryable", "attempts")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    code: str
+    details: MessagesErrorDetails
+    request_id: str
+    partial_output: bool
+    delivered_output_tokens: int
+    retryable: bool
+    attempts: _containers.RepeatedCompositeFieldContainer[AttemptRecord]
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., code: _Optional[str] = ..., details: _Optional[_Union[MessagesErrorDetails, _Mapping]] = ..., request_id: _Optional[str] = ..., partial_output: _Optional[bool] = ..., delivered_output_tokens: _Optional[int] = ..., retryable: _Optional[bool] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ...) -> None: ...
+
+class MessagesErrorDetails(_message.Message):
+    __slots__ = ("error_code",)
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    error_code: str
+    def __init__(self, error_code: _Optional[str] = ...) -> None: ...
+
 class ReplicaRegistration(_message.Message):
     __slots__ = ("address", "registered_at", "agent_id", "digest", "fingerprint", "engine", "draining")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -26,6 +26,8 @@ ROOTS: dict[str, type[Message]] = {
     "journal-record": rec.JournalRecord,
     "gateway-error": rec.GatewayErrorBody,
     "terminal-frame": rec.TerminalFrame,
+    "responses-failed-event": rec.ResponsesFailedEvent,
+    "messages-error": rec.MessagesErrorBody,
     "replica-registration": rec.ReplicaRegistration,
     "cancel-ack": rec.CancelAck,
     "attempt-progress": rec.AttemptProgress,

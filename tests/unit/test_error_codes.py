@@ -1,7 +1,7 @@
 """docs/errors.md is the whole list of error codes: every code the product can emit is documented there, and
 every code documented there is emitted somewhere. The emitted codes are collected from the source (AST):
 the `Outcome` enum (a request's outcome is its error's code), the literal code of every error the product
-builds (`_error`, `_error_body`, `_reject`/`RequestRejected`, tool `Refuse`, the replica side's `_refusal`,
+builds (`_error`, `error_document`, `_reject`/`RequestRejected`, tool `Refuse`, the replica side's `_refusal`,
 readiness `NotReady`, any `code=` argument or `"code":` key), and the JSON of Envoy's own replies in
 envoy/gateway.yaml. The body fields documented there agree with the records' JSON Schemas."""
 
@@ -23,7 +23,7 @@ PRODUCT = REPO / "router_sidecar"
 ERRORS_DOC = REPO / "docs" / "errors.md"
 # The functions and classes that take an error code as their first string argument.
 EMITTERS = frozenset(
-    {"_error", "_error_body", "_reject", "RequestRejected", "Refuse", "_refusal", "NotReady"}
+    {"_error", "error_document", "_reject", "RequestRejected", "Refuse", "_refusal", "NotReady"}
 )
 CODE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
 DOCUMENTED_ROW = re.compile(r"^\| `([a-z0-9_]+)` \| ", re.MULTILINE)
@@ -145,7 +145,7 @@ def test_the_collection_sees_each_kind_of_emitter() -> None:
     emitted = emitted_codes()
     expected = {
         "no_replica_available": "router_sidecar/extproc/downstream.py",  # _error at admission
-        "idempotency_key_in_flight": "router_sidecar/extproc/downstream.py",  # _error_body
+        "idempotency_key_in_flight": "router_sidecar/extproc/downstream.py",  # error_document
         "json_too_deep": "router_sidecar/core/openai_api.py",  # _reject
         "idempotency_key_reused": "router_sidecar/core/tools.py",  # Refuse
         "idempotency_store_unavailable": "router_sidecar/extproc/tool_calls.py",  # Refuse
