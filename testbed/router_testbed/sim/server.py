@@ -1,12 +1,17 @@
 """A vLLM 0.32 / SGLang 0.5.23 replica simulator: OpenAI-compatible HTTP/1.1 on raw asyncio streams, with
-faults.
+faults, on ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (with ``GET /v1/responses/{id}``
+and ``POST /v1/responses/{id}/cancel``) and ``/v1/messages``.
 
 Run: ``python -m router_testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl [--dialect sglang]``.
 It prints ``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
 exits 0 on SIGTERM/SIGINT. See :mod:`router_testbed.sim.faults` for the ``x-sim-fault`` grammar (every fault
 works in both dialects) and :class:`router_testbed.sim.generation.Dialect` for what differs between them.
-The request log is the same in both: it records the ``x-request-id``/``x-attempt-id`` received, whatever
-id the dialect gives the completion.
+The request log is the same in both: it records the ``x-request-id``/``x-attempt-id`` received, the API
+(``api``) and the id the replica gave its answer (``response_id``). Every API runs through one flow
+(:meth:`Exchange._stream`, :meth:`Exchange._unary`) with the same fault points; what each API writes at them
+is its :class:`router_testbed.sim.generation.ApiStream`. The Responses API's store (``--responses-store``,
+vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE=1``) is :class:`StoredResponse` entries on the :class:`Simulator`;
+a ``background: true`` run is a task of its own that outlives its connection.
 
 Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_testbed.sim.toolcall`):
 every
