@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router_testbed.sim.faults import (
+    DEFAULT_OVERSIZE_BYTES,
     DONE,
     HEADERS,
     ROLE,
+    TERMINAL,
     TOOL,
     Clause,
     FaultPlan,
@@ -36,6 +38,10 @@ def test_parse_full_clause() -> None:
         ("error@after:2", after_point(2)),
         ("abort@token:1", token_point(1)),
         ("stall@done", DONE),
+        ("close@terminal", TERMINAL),
+        ("stop@token:2", token_point(2)),
+        ("status429@headers", HEADERS),
+        ("oversize@token:3", token_point(3)),
     ],
 )
 def test_points(text: str, point: Point) -> None:
@@ -71,6 +77,14 @@ def test_multiple_clauses_and_blank() -> None:
         ("stall@role for=-1", "finite number >= 0"),
         ("status503@token:1", "only valid at @headers"),
         ("reset@role attempt=1 attempt=2", "given twice"),
+        ("status429@role", "only valid at @headers"),
+        ("oversize@after:1", "only valid at @token:N"),
+        ("oversize@headers", "only valid at @token:N"),
+        ("oversize@token:1 bytes=0", "bytes="),
+        ("oversize@token:1 bytes=lots", "bytes="),
+        ("oversize@token:1 bytes=99999999999", "bytes="),
+        ("reset@token:1 bytes=10", "only valid with oversize"),
+        ("close@terminl", "terminal"),
     ],
 )
 def test_errors_name_the_clause(spec: str, fragment: str) -> None:
@@ -126,3 +140,21 @@ def test_tool_point_clause_with_attempt_filter() -> None:
 @pytest.mark.parametrize("spec", ["delay@tool for=0.2", "stall@tool for=1", "reset@tool", "error@tool"])
 def test_other_actions_at_tool(spec: str) -> None:
     assert parse_clause(spec).point == TOOL
+
+
+def test_oversize_sizes_and_the_plan_knows_them_in_advance() -> None:
+    spec = parse_fault_spec("oversize@token:2; oversize@token:5 bytes=4096")
+    plan = FaultPlan(spec, attempt=1, replica="r")
+    assert plan.oversized() == {2: DEFAULT_OVERSIZE_BYTES, 5: 4096}
+    assert DEFAULT_OVERSIZE_BYTES > 1024 * 1024  # over the gateway's default limits.max_event_bytes
+    clause = plan.take(token_point(2))
+    assert clause is not None and clause.size == DEFAULT_OVERSIZE_BYTES
+    assert plan.oversized() == {5: 4096}  # fired clauses are no longer pending
+    filtered = FaultPlan(parse_fault_spec("oversize@token:1 attempt=2"), attempt=1, replica="r")
+    assert filtered.oversized() == {}
+
+
+@pytest.mark.parametrize("spec", ["stop@after:3", "stop@done", "abort@role", "stop@headers"])
+def test_finish_actions_parse_at_any_point(spec: str) -> None:
+    # abort/stop take effect at the next content boundary; the fuzz suite draws them anywhere
+    assert parse_clause(spec).action in ("abort", "stop")

@@ -4,13 +4,21 @@ Pure: no I/O. Grammar (one or more ``;``-separated clauses)::
 
     spec     := clause (";" clause)*
     clause   := ACTION "@" POINT (" " MODIFIER)*
-    ACTION   := exit | reset | stall | close | error | abort | status503 | delay
-    POINT    := tool | headers | role | token:N | after:N | done   (N >= 1)
-    MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS
+    ACTION   := exit | reset | stall | close | error | abort | stop | status503 | status429 | oversize | delay
+    POINT    := tool | headers | role | token:N | after:N | done | terminal   (N >= 1)
+    MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS | bytes=N
 
 ``for`` is only accepted on ``stall`` (optional: stall that long, then continue) and ``delay``
-(required). ``status503`` is only accepted at ``@headers``. Anything else is a :class:`FaultSpecError`
-naming the bad clause, so that a typo in a test fails loudly instead of silently running clean.
+(required). ``status503`` and ``status429`` are only accepted at ``@headers``, ``oversize`` only at
+``@token:N`` (``bytes=`` is its size, default :data:`DEFAULT_OVERSIZE_BYTES`). ``abort`` and ``stop`` take
+effect at the next content event boundary (``abort@after:2`` ends with event 3). Anything else is a
+:class:`FaultSpecError` naming the bad clause, so that a typo in a test fails loudly instead of silently
+running clean.
+
+The same names work on every API the simulator serves (chat completions, completions, the Responses API,
+the Messages API); what each does there is :mod:`router_testbed.sim.server`'s and ``docs/simulator.md``'s
+table. ``stop`` is not a failure: the model ends at content event N (``finish_reason`` ``"stop"``, a
+Responses ``status`` of ``"completed"``, a Messages ``stop_reason`` of ``"end_turn"``).
 
 Points, in the order a request passes them:
 
@@ -20,7 +28,10 @@ Points, in the order a request passes them:
 * ``headers`` — just before the status line is written.
 * ``role`` — after the status line and the prefill delay, before chat's role-only event.
 * ``token:N`` / ``after:N`` — just before / right after content event N was written.
-* ``done`` — after the last content event, before the finish/usage events and ``[DONE]``.
+* ``done`` — after the last content event, before the finish/usage events and ``[DONE]`` (Responses: before
+  the ``*.done`` events; Messages: before ``content_block_stop``).
+* ``terminal`` — just before the API's terminal event: ``data: [DONE]``, ``response.completed``,
+  ``message_stop``. ``close@terminal`` is a clean end without it.
 """
 
 from __future__ import annotations
@@ -30,16 +41,34 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-Action = Literal["exit", "reset", "stall", "close", "error", "abort", "status503", "delay"]
-PointKind = Literal["tool", "headers", "role", "token", "after", "done"]
+Action = Literal[
+    "exit", "reset", "stall", "close", "error", "abort", "stop", "status503", "status429", "oversize", "delay"
+]
+PointKind = Literal["tool", "headers", "role", "token", "after", "done", "terminal"]
 
 ACTIONS: frozenset[str] = frozenset(
-    {"exit", "reset", "stall", "close", "error", "abort", "status503", "delay"}
+    {
+        "exit",
+        "reset",
+        "stall",
+        "close",
+        "error",
+        "abort",
+        "stop",
+        "status503",
+        "status429",
+        "oversize",
+        "delay",
+    }
 )
-_SIMPLE_POINTS: frozenset[str] = frozenset({"tool", "headers", "role", "done"})
+_SIMPLE_POINTS: frozenset[str] = frozenset({"tool", "headers", "role", "done", "terminal"})
 _INDEXED_POINTS: frozenset[str] = frozenset({"token", "after"})
+_STATUS_ACTIONS: frozenset[str] = frozenset({"status503", "status429"})
 
 HEADER = "x-sim-fault"
+# oversize's default size: above the gateway's default limits.max_event_bytes (1 MiB).
+DEFAULT_OVERSIZE_BYTES = 2 * 1024 * 1024
+MAX_OVERSIZE_BYTES = 64 * 1024 * 1024
 
 
 class FaultSpecError(ValueError):
@@ -64,6 +93,7 @@ TOOL = Point("tool")
 HEADERS = Point("headers")
 ROLE = Point("role")
 DONE = Point("done")
+TERMINAL = Point("terminal")
 
 
 def token_point(n: int) -> Point:
@@ -83,6 +113,7 @@ class Clause:
     attempts: frozenset[int] | None = None
     replicas: frozenset[str] | None = None
     duration: float | None = None
+    size: int | None = None  # oversize: bytes of the event's text
     raw: str = field(default="", compare=False)
 
     def label(self) -> str:
@@ -108,7 +139,7 @@ def _parse_point(text: str, clause: str) -> Point:
             raise FaultSpecError(clause, f"point {text!r} needs an integer N >= 1")
         return Point(kind, int(num))  # type: ignore[arg-type]
     raise FaultSpecError(
-        clause, f"unknown point {text!r} (expected tool, headers, role, token:N, after:N, done)"
+        clause, f"unknown point {text!r} (expected tool, headers, role, token:N, after:N, done, terminal)"
     )
 
 
@@ -136,6 +167,12 @@ def _parse_seconds(value: str, clause: str) -> float:
     return seconds
 
 
+def _parse_size(value: str, clause: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= MAX_OVERSIZE_BYTES:
+        raise FaultSpecError(clause, f"bytes={value!r} must be an integer from 1 to {MAX_OVERSIZE_BYTES}")
+    return int(value)
+
+
 def parse_clause(text: str) -> Clause:
     """Parse one clause, e.g. ``"reset@token:3 attempt=1 replica=r1"``."""
     clause = text.strip()
@@ -150,6 +187,7 @@ def parse_clause(text: str) -> Clause:
     attempts: frozenset[int] | None = None
     replicas: frozenset[str] | None = None
     duration: float | None = None
+    size: int | None = None
     for mod in mods:
         key, eq, value = mod.partition("=")
         if not eq or not value:
@@ -160,22 +198,35 @@ def parse_clause(text: str) -> Clause:
             replicas = _parse_names(value, clause)
         elif key == "for" and duration is None:
             duration = _parse_seconds(value, clause)
-        elif key in ("attempt", "replica", "for"):
+        elif key == "bytes" and size is None:
+            size = _parse_size(value, clause)
+        elif key in ("attempt", "replica", "for", "bytes"):
             raise FaultSpecError(clause, f"modifier {key!r} given twice")
         else:
-            raise FaultSpecError(clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=)")
+            raise FaultSpecError(
+                clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=, bytes=)"
+            )
     if duration is not None and action not in ("stall", "delay"):
         raise FaultSpecError(clause, "for= is only valid with stall or delay")
     if action == "delay" and duration is None:
         raise FaultSpecError(clause, "delay needs for=SECONDS")
-    if action == "status503" and point != HEADERS:
-        raise FaultSpecError(clause, "status503 is only valid at @headers")
+    if action in _STATUS_ACTIONS and point != HEADERS:
+        raise FaultSpecError(clause, f"{action} is only valid at @headers")
+    if size is not None and action != "oversize":
+        raise FaultSpecError(clause, "bytes= is only valid with oversize")
+    if action == "oversize":
+        if point.kind != "token":
+            raise FaultSpecError(
+                clause, "oversize is only valid at @token:N (content event N is the big one)"
+            )
+        size = size or DEFAULT_OVERSIZE_BYTES
     return Clause(
         action=action,  # type: ignore[arg-type]
         point=point,
         attempts=attempts,
         replicas=replicas,
         duration=duration,
+        size=size,
         raw=clause,
     )
 
@@ -205,6 +256,13 @@ class FaultPlan:
     @property
     def empty(self) -> bool:
         return not self._pending
+
+    def oversized(self) -> dict[int, int]:
+        """Content event number -> bytes, for every pending ``oversize`` clause (the event is rendered big
+        from the start; the clause still fires, and is logged, when its point is reached)."""
+        return {
+            c.point.n or 0: c.size or DEFAULT_OVERSIZE_BYTES for c in self._pending if c.action == "oversize"
+        }
 
     def take(self, point: Point) -> Clause | None:
         """Return (and consume) the first pending clause at ``point``, if any."""

@@ -14,12 +14,18 @@ Two dialects (:data:`DIALECTS`), chosen per simulator process with ``--dialect``
 The server's flow (faults, timing, the request log) is the same for both; everything that differs on the
 wire is a method of :class:`Dialect` or of its renderer, so nothing else branches on the engine.
 
+Four APIs share that flow through :class:`ApiStream` (what to write at each point of a streamed answer):
+chat completions and completions here (:class:`ChatStream` over :class:`StreamRenderer`), the Responses API in
+:mod:`router_testbed.sim.responses` and the Messages API in :mod:`router_testbed.sim.messages`. Responses and
+Messages requests generate chat-shaped pieces (:func:`plan_output`), which their streams translate.
+
 One generated token is one content event (the simulator never coalesces tokens), so counting
 content events equals counting tokens for a simulated replica.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -32,7 +38,7 @@ DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_MODEL_LEN = 1024
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses", "messages"]
 JSONDict = dict[str, Any]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -117,8 +123,24 @@ def bad_request_error(message: str, param: str | None = None) -> bytes:
     return error_body(message, "BadRequestError", param, 400)
 
 
+def missing_field_error(field: str, body: dict[str, Any]) -> bytes:
+    """vLLM's 400 for a request body without a required field (FastAPI's validation, before the route;
+    captured as ``resp_no_input`` and ``msg_no_max_tokens``)."""
+    detail = (
+        "1 validation error:\n"
+        f"  {{'type': 'missing', 'loc': 'body.{field}', 'msg': 'Field required', "
+        f"'input': '<dict of {len(body)} items>'}}"
+    )
+    return error_body(detail, "Bad Request", f"body.{field}", 400)
+
+
 def unavailable_error() -> bytes:
     return error_body("Service Unavailable", "ServiceUnavailableError", None, 503)
+
+
+def too_many_requests_error() -> bytes:
+    """The ``status429`` fault's body (vLLM itself never answers 429: the shape of its other errors)."""
+    return error_body("Too Many Requests", "TooManyRequestsError", None, 429)
 
 
 def engine_dead_error() -> bytes:
@@ -146,12 +168,15 @@ def fingerprint_for(model: str, seed: int) -> str:
 
 
 class RequestError(Exception):
-    """A request vLLM would refuse before streaming: ``status`` + JSON ``body``."""
+    """A request the engine refuses before streaming: ``status`` + JSON ``body`` (``plain``: a
+    ``text/plain`` body from outside the app's middleware, without ``vary: Origin``, as uvicorn answers an
+    unhandled exception)."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, *, plain: bool = False) -> None:
         super().__init__(body.decode(errors="replace"))
         self.status = status
         self.body = body
+        self.plain = plain
 
 
 @dataclass(frozen=True)
@@ -172,6 +197,15 @@ class GenRequest:
     seed: int | None
     tool: ToolSpec | None = None
     rid: str | None = None  # the body's ``rid`` (SGLang's request id; it becomes the completion id there)
+    # Responses/Messages: the parsed request (responses.ResponsesParams / messages.MessagesParams)
+    params: Any = None
+    # the x-request-id the request arrived with (vLLM names a Messages answer after it), set by the server
+    request_id: str | None = None
+
+    @property
+    def chat_like(self) -> bool:
+        """Whether the prompt is chat-templated and the pieces are chat deltas (all but completions)."""
+        return self.kind != "completion"
 
 
 def _message_text(content: Any) -> str:
@@ -216,6 +250,14 @@ def parse_request(
 ) -> GenRequest:
     """Validate a request body like the engine does; raises :class:`RequestError` with its error reply."""
     d = dialect or VLLM
+    if kind == "responses":
+        from router_testbed.sim import responses
+
+        return responses.parse_request(raw, served_model=served_model, max_model_len=max_model_len, dialect=d)
+    if kind == "messages":
+        from router_testbed.sim import messages
+
+        return messages.parse_request(raw, served_model=served_model, max_model_len=max_model_len, dialect=d)
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -296,7 +338,7 @@ def generate_tokens(seed: int, prompt: str, model: str, n: int) -> list[str]:
 def prompt_token_count(req: GenRequest) -> int:
     """A deterministic stand-in for the tokenizer: ~one token per 4 bytes, plus template overhead."""
     base = max(1, (len(req.prompt_text.encode()) + 3) // 4)
-    return base + (8 if req.kind == "chat" else 0)
+    return base + (8 if req.chat_like else 0)
 
 
 def _tool_arguments(rng: random.Random, params: JSONDict) -> str:
@@ -345,6 +387,55 @@ class Output:
         pieces = self.pieces[:upto]
         return "".join(p if isinstance(p, str) else p.get("content") or "" for p in pieces)
 
+    def arguments(self, upto: int | None = None) -> str:
+        """The tool call's arguments as far as piece ``upto`` (chat-shaped tool pieces)."""
+        return "".join(piece_arguments(p) or "" for p in self.pieces[:upto])
+
+
+def piece_arguments(piece: Any) -> str | None:
+    """The argument fragment a chat-shaped tool piece carries (``None``: not a tool piece, or none)."""
+    if not isinstance(piece, dict) or not piece.get("tool_calls"):
+        return None
+    fragment = piece["tool_calls"][0].get("function", {}).get("arguments")
+    return fragment if isinstance(fragment, str) else None
+
+
+def piece_names_tool(piece: Any) -> bool:
+    """Whether a chat-shaped piece opens a tool call (carries its id and name)."""
+    return isinstance(piece, dict) and bool(piece.get("tool_calls")) and "id" in piece["tool_calls"][0]
+
+
+def _padded(text: str, size: int) -> str:
+    missing = size - len(text.encode())
+    return text + "x" * missing if missing > 0 else text
+
+
+def with_oversize(output: Output, sizes: dict[int, int]) -> Output:
+    """The ``oversize@token:N bytes=S`` fault: content event N's text (a tool piece: its argument fragment)
+    padded with ``x`` to at least S bytes, so the one event carrying it is that big. Later events that repeat
+    the text (a Responses ``*.done`` event, ``response.completed``) carry it too, as a real engine's would."""
+    if not sizes:
+        return output
+    pieces = list(output.pieces)
+    for n, size in sizes.items():
+        if not 1 <= n <= len(pieces):
+            continue
+        piece = pieces[n - 1]
+        if isinstance(piece, str):
+            pieces[n - 1] = _padded(piece, size)
+        elif piece.get("tool_calls"):
+            call = dict(piece["tool_calls"][0])
+            function = dict(call.get("function", {}))
+            function["arguments"] = _padded(function.get("arguments", ""), size)
+            call["function"] = function
+            pieces[n - 1] = {**piece, "tool_calls": [call]}
+        else:
+            pieces[n - 1] = {**piece, "content": _padded(piece.get("content") or "", size)}
+    arguments = output.tool_arguments
+    if output.tool_call_id is not None:
+        arguments = "".join(piece_arguments(p) or "" for p in pieces)
+    return dataclasses.replace(output, pieces=tuple(pieces), tool_arguments=arguments)
+
 
 def plan_output(req: GenRequest, server_seed: int) -> Output:
     seed = req.seed if req.seed is not None else server_seed
@@ -371,7 +462,7 @@ def plan_output(req: GenRequest, server_seed: int) -> Output:
         return Output(tuple(pieces), finish, True, prompt_tokens, call_id, req.tool.name, arguments)
     n = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     tokens = generate_tokens(seed, req.prompt_text, req.model, n)
-    if req.kind == "chat":
+    if req.chat_like:
         return Output(tuple({"content": t} for t in tokens), "length", False, prompt_tokens)
     return Output(tuple(tokens), "length", False, prompt_tokens)
 
@@ -512,6 +603,99 @@ def clean_stream(renderer: StreamRenderer) -> list[bytes]:
     return events
 
 
+# --------------------------------------------------------------------------- one streamed answer, any API
+
+
+class ApiStream:
+    """What one streamed answer writes at each point of the simulator's flow, for one API in one dialect.
+
+    The server (:meth:`router_testbed.sim.server.Exchange.stream`) asks, in this order: :meth:`opening`
+    (right after the status line), :meth:`role` (at the ``role`` point, after the prefill delay),
+    :meth:`piece` for content event N (with what precedes it, e.g. a Responses ``output_item.added``; each
+    event flagged content or not), :meth:`finish_only` (a finish without a token: an abort), then
+    :meth:`closing` (at ``done``: finish/usage, ``*.done``, ``content_block_stop`` + ``message_delta``) and
+    :meth:`terminal` (at ``terminal``). :meth:`failure` is the engine's in-band failure. Renderers may keep
+    state (sequence numbers, open blocks): they are called once per event, in wire order.
+    """
+
+    response_id: str = ""
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def role(self) -> list[bytes]:
+        return []
+
+    def natural_finish(self, n: int) -> str | None:
+        """The finish reason content event ``n`` carries in a clean run (only chat puts it there)."""
+        return None
+
+    def piece(self, n: int, finish: str | None) -> list[tuple[bytes, bool]]:
+        raise NotImplementedError
+
+    def finish_only(self, produced: int, reason: str) -> list[bytes]:
+        return []
+
+    def closing(self, produced: int, finish: str, finish_sent: bool) -> list[bytes]:
+        return []
+
+    def terminal(self, produced: int, finish: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def failure(self, produced: int) -> tuple[list[bytes], bool]:
+        """The events of an in-band engine failure, and whether the chunked body then ends cleanly (else
+        the connection is closed without its last chunk)."""
+        raise NotImplementedError
+
+
+class ChatStream(ApiStream):
+    """Chat completions and completions (both dialects) over a :class:`StreamRenderer`."""
+
+    def __init__(self, renderer: StreamRenderer) -> None:
+        self.renderer = renderer
+        self.output = renderer.output
+        self.response_id = renderer.meta.id
+
+    def role(self) -> list[bytes]:
+        role = self.renderer.role_event()
+        return [] if role is None else [role]
+
+    def natural_finish(self, n: int) -> str | None:
+        return self.renderer.natural_finish(n)
+
+    def piece(self, n: int, finish: str | None) -> list[tuple[bytes, bool]]:
+        return [(self.renderer.content_event(n, finish), True)]
+
+    def finish_only(self, produced: int, reason: str) -> list[bytes]:
+        return [self.renderer.empty_event(produced, reason)]
+
+    def closing(self, produced: int, finish: str, finish_sent: bool) -> list[bytes]:
+        events = [] if finish_sent else [self.renderer.empty_event(produced, finish)]
+        usage = self.renderer.usage_event(produced)
+        return events if usage is None else [*events, usage]
+
+    def terminal(self, produced: int, finish: str) -> list[bytes]:
+        return [DONE_EVENT]
+
+    def failure(self, produced: int) -> tuple[list[bytes], bool]:
+        return self.renderer.error_events(produced), True
+
+
+def api_clean_stream(stream: ApiStream, *, carries_finish: bool = True) -> list[bytes]:
+    """All events of a fault-free streamed answer of any API, in order (for tests and documentation)."""
+    output: Output = stream.output  # type: ignore[attr-defined]
+    events = [*stream.opening(), *stream.role()]
+    n = len(output.pieces)
+    finish_sent = False
+    for i in range(1, n + 1):
+        natural = stream.natural_finish(i) if carries_finish else None
+        events += [event for event, _ in stream.piece(i, natural)]
+        finish_sent = finish_sent or natural is not None
+    events += stream.closing(n, output.finish_reason, finish_sent)
+    events += stream.terminal(n, output.finish_reason)
+    return events
+
+
 # --------------------------------------------------------------------------- non-streamed bodies
 
 
@@ -644,6 +828,12 @@ _SGLANG_CONTEXT_MESSAGE = (
     "completion. Please reduce the number of tokens in the input messages or the completion to fit within "
     "the limit."
 )
+
+
+def sglang_context_message(limit: int, prompt_tokens: int, max_tokens: int) -> str:
+    return _SGLANG_CONTEXT_MESSAGE.format(
+        limit=limit, total=prompt_tokens + max_tokens, prompt=prompt_tokens, max_tokens=max_tokens
+    )
 
 
 def sglang_error_body(message: str, type_: str, code: int) -> bytes:
@@ -906,8 +1096,18 @@ class Dialect:
     # The chunked-encoding header's spelling (SGLang's uvicorn/starlette writes it capitalised).
     transfer_encoding_header = "transfer-encoding"
     info_paths: frozenset[str] = frozenset({"/health", "/version", "/v1/models"})
+    # Whether POST /v1/responses is served (SGLang 0.5.23 disables it for non-Harmony models).
+    serves_responses = True
 
     def new_id(self, req: GenRequest) -> str:
+        if req.kind == "responses":
+            from router_testbed.sim import responses
+
+            return req.params.body_request_id or responses.new_id("resp")
+        if req.kind == "messages":
+            from router_testbed.sim import messages
+
+            return messages.new_id(req, sglang=self.name == "sglang")
         return chat_id() if req.kind == "chat" else completion_id()
 
     def error_body(self, message: str, type_: str, param: str | None, code: int) -> bytes:
@@ -918,6 +1118,12 @@ class Dialect:
 
     def bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
         return bad_json_error(exc)
+
+    def responses_bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
+        return bad_json_error(exc)
+
+    def missing_field_error(self, field: str, body: dict[str, Any]) -> bytes:
+        return missing_field_error(field, body)
 
     def wrong_model_error(self, requested: str, served: str) -> bytes:
         return wrong_model_error(requested, served)
@@ -930,6 +1136,10 @@ class Dialect:
         """The body of the ``status503`` fault."""
         return unavailable_error()
 
+    def too_many_requests_error(self) -> bytes:
+        """The body of the ``status429`` fault."""
+        return too_many_requests_error()
+
     def failed_reply(self) -> tuple[int, bytes]:
         """The ``error`` fault when no stream is open (a non-stream request, or before the status line)."""
         return 500, engine_dead_error()
@@ -937,10 +1147,58 @@ class Dialect:
     def renderer(self, req: GenRequest, output: Output, meta: StreamMeta) -> StreamRenderer:
         return StreamRenderer(req, output, meta)
 
+    def stream(self, req: GenRequest, output: Output, meta: StreamMeta) -> ApiStream:
+        """The streamed answer of any API."""
+        if req.kind == "responses":
+            from router_testbed.sim import responses
+
+            return responses.ResponsesStream(req, output, meta)
+        if req.kind == "messages":
+            from router_testbed.sim import messages
+
+            return messages.stream_for(req, output, meta, sglang=self.name == "sglang")
+        return ChatStream(self.renderer(req, output, meta))
+
     def response_body(
         self, req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
     ) -> bytes:
+        if req.kind == "responses":
+            from router_testbed.sim import responses
+
+            return dumps(
+                responses.response_body(req, output, meta, completion_tokens, finish_reason)
+            ).encode()
+        if req.kind == "messages":
+            from router_testbed.sim import messages
+
+            body = messages.response_body(
+                req, output, meta, completion_tokens, finish_reason, sglang=self.name == "sglang"
+            )
+            return dumps(body).encode()
+        return self._chat_body(req, output, meta, completion_tokens, finish_reason)
+
+    def _chat_body(
+        self, req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
+    ) -> bytes:
         return response_body(req, output, meta, completion_tokens, finish_reason)
+
+    def api_error(self, req_kind: Kind, which: str) -> tuple[int, bytes]:
+        """A fault's error reply in the API's own shape: ``which`` is ``unavailable`` (status503),
+        ``too_many`` (status429) or ``failed`` (the ``error`` fault before the stream / without one)."""
+        if req_kind == "messages":
+            from router_testbed.sim import messages
+
+            sglang = self.name == "sglang"
+            if which == "unavailable":
+                return 503, messages.unavailable_error(sglang)
+            if which == "too_many":
+                return 429, messages.too_many_requests_error(sglang)
+            return messages.failed_reply(sglang)
+        if which == "unavailable":
+            return 503, self.unavailable_error()
+        if which == "too_many":
+            return 429, self.too_many_requests_error()
+        return self.failed_reply()
 
     def info_reply(self, path: str, model: str, created: int, max_model_len: int) -> InfoReply:
         """The answer to ``GET path`` for a path in :attr:`info_paths`."""
@@ -965,7 +1223,11 @@ class SglangDialect(Dialect):
         {"/health", "/health_generate", "/v1/models", "/get_model_info", "/get_server_info"}
     )
 
+    serves_responses = False  # OpenAIServingResponses fails to initialise without openai_harmony
+
     def new_id(self, req: GenRequest) -> str:
+        if req.kind in ("responses", "messages"):
+            return super().new_id(req)
         # The body's rid is the id; x-request-id is never used.
         return req.rid if req.rid is not None else sglang_id()
 
@@ -975,6 +1237,23 @@ class SglangDialect(Dialect):
     def bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
         detail = f"[{{'type': 'json_invalid', 'loc': ('body', {exc.pos}), 'msg': 'JSON decode error'}}]"
         return sglang_error_body(detail, "Bad Request", 400)
+
+    def responses_bad_json_error(self, exc: json.JSONDecodeError) -> bytes:
+        """/v1/responses's own handler (sgl_resp_bad_json): the OpenAI nesting, str(exc) and the errors
+        list (the decoder's message is orjson's there, Python's here)."""
+        error = (
+            f"{{'type': 'json_invalid', 'loc': ('body', {exc.pos}), 'msg': 'JSON decode error', "
+            f"'input': {{}}, 'ctx': {{'error': {exc.msg!r}}}}}"
+        )
+        message = (
+            f'1 validation error:\n  {error}\n\n  File "sglang/srt/entrypoints/http_server.py", line 2066, '
+            f"in v1_responses_request\n    POST /v1/responses [{error}]"
+        )
+        body = {"error": {"message": message, "type": "Bad Request", "param": None, "code": 400}}
+        return dumps(body).encode()
+
+    def missing_field_error(self, field: str, body: dict[str, Any]) -> bytes:
+        return sglang_error_body(f"{field}: Field required", "Bad Request", 400)
 
     def wrong_model_error(self, requested: str, served: str) -> bytes:
         return sglang_error_body(f"The model `{requested}` does not exist.", "NotFoundError", 404)
@@ -992,6 +1271,9 @@ class SglangDialect(Dialect):
     def unavailable_error(self) -> bytes:
         return sglang_error_body("Service Unavailable", "503", 503)
 
+    def too_many_requests_error(self) -> bytes:
+        return sglang_error_body("Too Many Requests", "429", 429)
+
     def failed_reply(self) -> tuple[int, bytes]:
         # inband_error_running_timeout_nonstream.txt: the same timeout as an HTTP 503, type "503".
         return 503, sglang_error_body(SGLANG_TIMEOUT_MESSAGE, "503", 503)
@@ -999,7 +1281,7 @@ class SglangDialect(Dialect):
     def renderer(self, req: GenRequest, output: Output, meta: StreamMeta) -> StreamRenderer:
         return SglangStreamRenderer(req, output, meta)
 
-    def response_body(
+    def _chat_body(
         self, req: GenRequest, output: Output, meta: StreamMeta, completion_tokens: int, finish_reason: str
     ) -> bytes:
         return sglang_response_body(req, output, meta, completion_tokens, finish_reason)

@@ -1,12 +1,17 @@
 """A vLLM 0.32 / SGLang 0.5.23 replica simulator: OpenAI-compatible HTTP/1.1 on raw asyncio streams, with
-faults.
+faults, on ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (with ``GET /v1/responses/{id}``
+and ``POST /v1/responses/{id}/cancel``) and ``/v1/messages``.
 
 Run: ``python -m router_testbed.sim --listen 127.0.0.1:0 --name r1 --log /tmp/r1.jsonl [--dialect sglang]``.
 It prints ``sim NAME listening on HOST:PORT`` (the bound port, so ``:0`` works) once the socket is bound and
 exits 0 on SIGTERM/SIGINT. See :mod:`router_testbed.sim.faults` for the ``x-sim-fault`` grammar (every fault
 works in both dialects) and :class:`router_testbed.sim.generation.Dialect` for what differs between them.
-The request log is the same in both: it records the ``x-request-id``/``x-attempt-id`` received, whatever
-id the dialect gives the completion.
+The request log is the same in both: it records the ``x-request-id``/``x-attempt-id`` received, the API
+(``api``) and the id the replica gave its answer (``response_id``). Every API runs through one flow
+(:meth:`Exchange._stream`, :meth:`Exchange._unary`) with the same fault points; what each API writes at them
+is its :class:`router_testbed.sim.generation.ApiStream`. The Responses API's store (``--responses-store``,
+vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE=1``) is :class:`StoredResponse` entries on the :class:`Simulator`;
+a ``background: true`` run is a task of its own that outlives its connection.
 
 Agent-worker mode (``--tool-url URL [--tool-timeout S]``, see :mod:`router_testbed.sim.toolcall`):
 every
@@ -24,7 +29,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
+import re
 import socket
 import struct
 import sys
@@ -33,15 +40,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any, NoReturn
+from urllib.parse import parse_qs, urlsplit
 
 from router_sidecar.runtime.supervise import listen_socket, stop_on_signals
 from router_testbed.sim import generation as gen
+from router_testbed.sim import messages as messages_api
 from router_testbed.sim import toolcall
 from router_testbed.sim.faults import (
     DONE,
     HEADER,
     HEADERS,
     ROLE,
+    TERMINAL,
     TOOL,
     Clause,
     FaultPlan,
@@ -64,12 +74,19 @@ _REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     413: "Request Entity Too Large",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     502: "Bad Gateway",
     503: "Service Unavailable",
 }
-_GEN_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_GEN_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+_STORED_PATH = re.compile(r"^/v1/responses/(?P<id>[^/]+)(?P<cancel>/cancel)?$")
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,7 @@ class SimConfig:
     tool_url: str | None = None  # agent-worker mode: call this tool before every generation
     tool_timeout: float = toolcall.DEFAULT_TOOL_TIMEOUT
     dialect: str = "vllm"  # a key of generation.DIALECTS
+    responses_store: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1
 
 
 # --------------------------------------------------------------------------- connection
@@ -290,15 +308,55 @@ def stream_head(replica: str, dialect: gen.Dialect = gen.VLLM) -> bytes:
 
 
 def json_response(
-    status: int, body: bytes, replica: str, content_type: str | None = "application/json", close: bool = False
+    status: int,
+    body: bytes,
+    replica: str,
+    content_type: str | None = "application/json",
+    close: bool = False,
+    vary: bool = True,
 ) -> bytes:
     headers = [("content-length", str(len(body)))]
     if content_type is not None:
         headers.append(("content-type", content_type))
-    headers += [("vary", "Origin"), ("x-sim-replica", replica)]
+    if vary:
+        headers.append(("vary", "Origin"))
+    headers.append(("x-sim-replica", replica))
     if close:
         headers.append(("connection", "close"))
     return _head(status, headers) + body
+
+
+# --------------------------------------------------------------------------- the Responses API's store
+
+
+@dataclass
+class StoredResponse:
+    """One response a replica holds (``--responses-store``, vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE``):
+    the response object as ``GET /v1/responses/{id}`` answers it (``queued`` until a background run ends),
+    the conversation it closes (for a later ``previous_response_id``) and, for a background stream, every
+    event as written (``GET …?stream=true&starting_after=N`` replays from there)."""
+
+    id: str
+    response: dict[str, Any]
+    prompt: str
+    output_text: str = ""
+    events: list[bytes] | None = None
+    finished: bool = False  # the run ended (with or without response.completed)
+    cancelled: bool = False  # by POST /v1/responses/{id}/cancel
+    task: asyncio.Task[Any] | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def status(self) -> str:
+        return str(self.response.get("status"))
+
+    def changed(self) -> asyncio.Event:
+        """Set at the next change (an event appended, the run's end); take it before looking."""
+        return self._changed
+
+    def notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
 
 
 # --------------------------------------------------------------------------- one generation request
@@ -314,25 +372,41 @@ class _End(Exception):
 
 @dataclass
 class Exchange:
+    """One generation request on one connection, any API. A background Responses run (``background: true``
+    with the store on) keeps generating when its client is gone: it is *detached* from the connection, and
+    its stream's events go to its :class:`StoredResponse` only."""
+
     sim: Simulator
     conn: Connection
     request: Request
     plan: FaultPlan
     record: dict[str, Any]
     greq: gen.GenRequest | None = None
-    renderer: gen.StreamRenderer | None = None
+    stream: gen.ApiStream | None = None
     status: int | None = None
     headers_sent: bool = False
     events_written: int = 0
     content_events_written: int = 0
     outcome: str = "completed"
-    abort_pending: bool = False
+    finish_pending: str | None = None  # "abort" | "stop": the next content boundary ends the generation
     client_gone_at: float | None = None
     fired: list[str] = field(default_factory=list)
+    entry: StoredResponse | None = None  # a background run's store entry
+    detached: bool = False
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # the connection is no longer needed
+    release_keep_alive: bool = False
 
     @property
     def streaming(self) -> bool:
         return self.greq is not None and self.greq.stream
+
+    @property
+    def background(self) -> bool:
+        return self.entry is not None
+
+    @property
+    def kind(self) -> gen.Kind:
+        return self.greq.kind if self.greq is not None else "chat"
 
     # -- logging
     def end_record(self) -> dict[str, Any]:
@@ -354,13 +428,31 @@ class Exchange:
         if self.client_gone_at is None:
             self.client_gone_at = self.conn.gone_at or time.time()
 
-    def _client_gone(self) -> NoReturn:
+    def detach(self, keep_alive: bool = False) -> None:
+        """A background run goes on without its connection (the client left, or a fault ended it); the log's
+        end record says when (``detached_at``), its outcome is the run's."""
+        self.detached = True
+        self.record.setdefault("detached_at", time.time())
+        self.release(keep_alive)
+
+    def release(self, keep_alive: bool) -> None:
+        if not self.released.is_set():
+            self.release_keep_alive = keep_alive and self.request.keep_alive
+            self.released.set()
+
+    def _client_gone(self) -> None:
+        """The client went away: the exchange ends, unless it is a background run, which detaches."""
         self._note_gone()
+        if self.background:
+            self.detach()
+            return
         if not self.outcome.startswith("fault:"):
             self.outcome = "client_gone"
         raise _End(False)
 
     async def send_raw(self, data: bytes) -> None:
+        if self.detached:
+            return
         if not await self.conn.send(data):
             self._client_gone()
 
@@ -369,14 +461,22 @@ class Exchange:
         await self.send_raw(json_response(status, body, self.sim.config.name))
 
     async def send_event(self, event: bytes, *, content: bool) -> None:
+        if self.entry is not None and self.entry.events is not None:
+            self.entry.events.append(event)
+            self.entry.notify()
         await self.send_raw(gen.chunk(event))
         self.events_written += 1
         if content:
             self.content_events_written += 1
 
     async def sleep(self, seconds: float) -> None:
+        if self.detached:
+            await asyncio.sleep(seconds)
+            return
         if (self.conn.gone or seconds > 0) and await self.conn.wait_gone(seconds):
             self._client_gone()
+            if self.detached and seconds > 0:
+                await asyncio.sleep(seconds)  # a background run keeps its pace
 
     # -- faults
     async def at(self, point: Point) -> None:
@@ -389,14 +489,20 @@ class Exchange:
         if action == "delay":
             await self.sleep(clause.duration or 0.0)
             return
-        if action == "abort":
-            self.abort_pending = True
+        if action in ("abort", "stop"):
+            self.finish_pending = self.finish_pending or action
             return
+        if action == "oversize":
+            return  # the event was rendered big from the start (FaultPlan.oversized)
         if action == "stall":
             self.outcome = "fault:stall"
-            if await self.conn.wait_gone(clause.duration):
+            if self.detached:
+                await asyncio.sleep(clause.duration or 0.0)
+            elif await self.conn.wait_gone(clause.duration):
                 self._note_gone()
-                raise _End(False)
+                if not self.background:
+                    raise _End(False)
+                self.detach()
             self.outcome = "completed"
             return
         self.outcome = f"fault:{action}"
@@ -407,46 +513,71 @@ class Exchange:
         if action == "reset":
             await self.conn.flush()
             self.conn.reset()
+            if self.background and self.streaming:
+                self.detach()
+                return
             raise _End(False)
         if action == "close":
             if self.streaming and self.headers_sent:
                 await self.send_raw(gen.LAST_CHUNK)
+                if self.background:
+                    self.detach(keep_alive=True)
+                    return
                 raise _End(self.request.keep_alive)
             raise _End(False)
         if action == "error":
-            if self.renderer is not None and self.headers_sent:
-                for event in self.renderer.error_events(self.content_events_written):
-                    await self.send_event(event, content=False)
-                await self.send_raw(gen.LAST_CHUNK)
-            else:
-                await self.send_reply(*self.sim.dialect.failed_reply())
-            raise _End(self.request.keep_alive)
-        if action == "status503":
-            await self.send_reply(503, self.sim.dialect.unavailable_error())
+            await self._fail()
+        if action in ("status503", "status429"):
+            which = "unavailable" if action == "status503" else "too_many"
+            await self.send_reply(*self.sim.dialect.api_error(self.kind, which))
             raise _End(self.request.keep_alive)
         raise AssertionError(f"unhandled fault action {action}")  # pragma: no cover
+
+    async def _fail(self) -> NoReturn:
+        """The engine's in-band failure, as each API writes it (status already 200), else its error reply."""
+        if self.stream is not None and self.headers_sent:
+            events, terminated = self.stream.failure(self.content_events_written)
+            for event in events:
+                await self.send_event(event, content=False)
+            if terminated:
+                await self.send_raw(gen.LAST_CHUNK)
+                raise _End(self.request.keep_alive)
+            if not self.detached:  # the stream just stops: the connection closes without its last chunk
+                await self.conn.flush()
+                self.conn.close()
+            raise _End(False)
+        if not self.detached:
+            await self.send_reply(*self.sim.dialect.api_error(self.kind, "failed"))
+        raise _End(self.request.keep_alive)
 
     # -- the flows
     async def run(self, greq: gen.GenRequest) -> bool:
         self.greq = greq
         dialect = self.sim.dialect
-        output = gen.plan_output(greq, self.sim.config.seed)
+        output = gen.with_oversize(gen.plan_output(greq, self.sim.config.seed), self.plan.oversized())
         meta = gen.StreamMeta(
             id=dialect.new_id(greq),
             created=int(time.time()),
             model=greq.model,
             fingerprint=self.sim.fingerprint,
         )
+        self.record["response_id"] = meta.id
         try:
             if self.sim.tool_target is not None:
                 output = toolcall.with_tool_result(output, await self._tool_call(greq))
             if greq.stream:
-                self.renderer = dialect.renderer(greq, output, meta)
-                await self._stream(self.renderer)
+                self.stream = dialect.stream(greq, output, meta)
+                await self._stream(self.stream)
             else:
                 await self._unary(greq, output, meta)
         except _End as end:
+            self.release(end.keep_alive)
             return end.keep_alive and self.request.keep_alive
+        finally:
+            if self.entry is not None:
+                self.entry.finished = True
+                self.entry.notify()
+        self.release(True)
         return self.request.keep_alive
 
     async def _tool_call(self, greq: gen.GenRequest) -> str:
@@ -477,49 +608,87 @@ class Exchange:
         await self.at(TOOL)
         return outcome.result
 
-    async def _stream(self, r: gen.StreamRenderer) -> None:
+    def _begin_background(self, meta: gen.StreamMeta, greq: gen.GenRequest, *, events: bool) -> None:
+        """``background: true``: the store holds the response as ``queued`` from now on."""
+        from router_testbed.sim import responses
+
+        self.entry = self.sim.store_entry(meta.id, responses.queued_object(greq, meta), greq.prompt_text)
+        if events:
+            self.entry.events = []
+        self.entry.task = asyncio.current_task()
+
+    async def _stream(self, s: gen.ApiStream) -> None:
         cfg = self.sim.config
+        greq = self.greq
+        assert greq is not None
         await self.at(HEADERS)
+        if greq.kind == "responses" and greq.params.background:
+            self._begin_background(s.meta, greq, events=True)  # type: ignore[attr-defined]
         self.status = 200
         await self.send_raw(stream_head(cfg.name, self.sim.dialect))
         self.headers_sent = True
+        refusal = getattr(greq.params, "refusal", None)
+        if refusal is not None:  # SGLang's Messages: a request over the context, refused in the stream
+            for event in s.refusal(refusal):  # type: ignore[attr-defined]
+                await self.send_event(event, content=False)
+            await self.send_raw(gen.LAST_CHUNK)
+            self.outcome = "refused"
+            return
+        for event in s.opening():
+            await self.send_event(event, content=False)
         await self.sleep(cfg.prefill_delay)
         await self.at(ROLE)
-        role = r.role_event()
-        if role is not None:
-            await self.send_event(role, content=False)
-        n = len(r.output.pieces)
-        aborted = False
+        for event in s.role():
+            await self.send_event(event, content=False)
+        produced, finish, finish_sent, cut = 0, s.output.finish_reason, False, False  # type: ignore[attr-defined]
+        carries = self.sim.dialect.abort_carries_token
+        n = len(s.output.pieces)  # type: ignore[attr-defined]
         for i in range(1, n + 1):
             if i > 1:
                 await self.sleep(cfg.token_interval)
             await self.at(token_point(i))
-            if self.abort_pending:
-                if self.sim.dialect.abort_carries_token:
-                    await self.send_event(r.content_event(i, "abort"), content=True)
+            if self.finish_pending is not None:
+                finish, cut = self.finish_pending, True
+                if finish == "abort" and not carries:
+                    for event in s.finish_only(produced, finish):
+                        await self.send_event(event, content=False)
+                    finish_sent = True
                 else:
-                    await self.send_event(r.empty_event(self.content_events_written, "abort"), content=False)
-                aborted = True
+                    carried = finish if carries else None
+                    for event, content in s.piece(i, carried):
+                        await self.send_event(event, content=content)
+                    produced, finish_sent = i, carried is not None
                 break
-            await self.send_event(r.content_event(i, r.natural_finish(i)), content=True)
+            natural = s.natural_finish(i)
+            for event, content in s.piece(i, natural):
+                await self.send_event(event, content=content)
+            produced, finish_sent = i, natural is not None
             await self.at(after_point(i))
-        if not aborted:
+        if not cut:
             await self.at(DONE)
-            if self.abort_pending:
-                await self.send_event(r.empty_event(self.content_events_written, "abort"), content=False)
-                aborted = True
-            elif r.separate_finish:
-                await self.send_event(r.empty_event(n, r.output.finish_reason), content=False)
-        usage = r.usage_event(self.content_events_written)
-        if usage is not None:
-            await self.send_event(usage, content=False)
-        await self.send_event(gen.DONE_EVENT, content=False)
+            if self.finish_pending is not None:
+                finish, cut = self.finish_pending, True
+                for event in s.finish_only(produced, finish):
+                    await self.send_event(event, content=False)
+                finish_sent = True
+        for event in s.closing(produced, finish, finish_sent):
+            await self.send_event(event, content=False)
+        await self.at(TERMINAL)
+        for event in s.terminal(produced, finish):
+            await self.send_event(event, content=False)
+        self._keep(greq, s.output, getattr(s, "final", None), produced)  # type: ignore[attr-defined]
         await self.send_raw(gen.LAST_CHUNK)
-        self.outcome = "fault:abort" if aborted else "completed"
+        self.outcome = f"fault:{finish}" if cut else "completed"
 
     async def _unary(self, greq: gen.GenRequest, output: gen.Output, meta: gen.StreamMeta) -> None:
         cfg = self.sim.config
         await self.at(HEADERS)
+        if greq.kind == "responses" and greq.params.background:
+            from router_testbed.sim import responses
+
+            self._begin_background(meta, greq, events=False)
+            await self.send_reply(200, gen.dumps(responses.queued_object(greq, meta)).encode())
+            self.detach(keep_alive=True)  # the run goes on without the connection
         await self.sleep(cfg.prefill_delay)
         await self.at(ROLE)
         n = len(output.pieces)
@@ -528,17 +697,37 @@ class Exchange:
             if i > 1:
                 await self.sleep(cfg.token_interval)
             await self.at(token_point(i))
-            if self.abort_pending:
-                produced = i if self.sim.dialect.abort_carries_token else i - 1
-                finish = "abort"
+            if self.finish_pending is not None:
+                finish = self.finish_pending
+                produced = i - 1 if finish == "abort" and not self.sim.dialect.abort_carries_token else i
                 break
             await self.at(after_point(i))
         else:
             await self.at(DONE)
-            if self.abort_pending:
-                finish = "abort"
-        await self.send_reply(200, self.sim.dialect.response_body(greq, output, meta, produced, finish))
-        self.outcome = "fault:abort" if finish == "abort" else "completed"
+            if self.finish_pending is not None:
+                finish = self.finish_pending
+        await self.at(TERMINAL)
+        body = self.sim.dialect.response_body(greq, output, meta, produced, finish)
+        if greq.kind == "responses":
+            self._keep(greq, output, json.loads(body), produced)
+        if not self.detached:
+            await self.send_reply(200, body)
+        self.outcome = (
+            "fault:abort" if finish == "abort" else "fault:stop" if finish == "stop" else "completed"
+        )
+
+    def _keep(
+        self,
+        greq: gen.GenRequest,
+        output: gen.Output,
+        final: dict[str, Any] | None,
+        produced: int | None = None,
+    ) -> None:
+        """Store a finished Responses answer when the request asked for it and the store is on."""
+        if greq.kind != "responses" or final is None or not greq.params.store:
+            return
+        text = output.text(produced)
+        self.sim.store_final(final, greq.prompt_text, text)
 
 
 # --------------------------------------------------------------------------- the server
@@ -554,6 +743,23 @@ class Simulator:
         self.started = int(time.time())
         self._conn_seq = 0
         self._conns: set[Connection] = set()
+        self.responses: dict[str, StoredResponse] = {}  # the Responses API's store (--responses-store)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- the store
+    def store_entry(self, response_id: str, response: dict[str, Any], prompt: str) -> StoredResponse:
+        entry = StoredResponse(response_id, response, prompt)
+        self.responses[response_id] = entry
+        return entry
+
+    def store_final(self, response: dict[str, Any], prompt: str, output_text: str) -> None:
+        if not self.config.responses_store:
+            return
+        entry = self.responses.get(str(response["id"]))
+        if entry is None:
+            self.store_entry(str(response["id"]), response, prompt).output_text = output_text
+        elif entry.status != "cancelled":  # a cancelled background response stays cancelled
+            entry.response, entry.output_text = response, output_text
 
     async def handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conn_seq += 1
@@ -590,6 +796,9 @@ class Simulator:
                 await conn.send(json_response(405, b'{"detail":"Method Not Allowed"}', name))
                 return request.keep_alive
             return await self.handle_generation(conn, conn_no, request, kind)  # type: ignore[arg-type]
+        stored = _STORED_PATH.match(path)
+        if stored is not None:
+            return await self.handle_stored(conn, conn_no, request, stored["id"], bool(stored["cancel"]))
         info_paths = self.dialect.info_paths
         if request.method != "GET" or path not in info_paths:
             status = 405 if path in info_paths else 404
@@ -600,11 +809,8 @@ class Simulator:
         reply = json_response(200, info.body, name, content_type=info.content_type)
         return await conn.send(reply) and request.keep_alive
 
-    async def handle_generation(
-        self, conn: Connection, conn_no: int, request: Request, kind: gen.Kind
-    ) -> bool:
+    def _start_record(self, conn_no: int, request: Request, api: str) -> dict[str, Any]:
         h = request.headers
-        raw_fault = h.get(HEADER)
         attempt = parse_attempt(h.get("x-envoy-attempt-count"))
         record: dict[str, Any] = {
             "event": "start",
@@ -613,8 +819,10 @@ class Simulator:
             "attempt_id": h.get("x-attempt-id"),
             "attempt_count": attempt if attempt is not None else h.get("x-envoy-attempt-count"),
             "path": request.path,
+            "method": request.method,
+            "api": api,
             "stream": None,
-            "fault": raw_fault,
+            "fault": h.get(HEADER),
             "pid": os.getpid(),
             "conn": conn_no,
             "t_start": time.time(),
@@ -623,7 +831,16 @@ class Simulator:
             record["traceparent"] = h.get("traceparent")
         if h.get("idempotency-key"):  # the client's key, if the gateway passed it on: how the drill finds a
             record["idempotency_key"] = h.get("idempotency-key")  # request behind a gateway without a journal
-        error: tuple[int, bytes] | None = None
+        return record
+
+    async def handle_generation(
+        self, conn: Connection, conn_no: int, request: Request, kind: gen.Kind
+    ) -> bool:
+        h = request.headers
+        raw_fault = h.get(HEADER)
+        attempt = parse_attempt(h.get("x-envoy-attempt-count"))
+        record = self._start_record(conn_no, request, kind)
+        error: gen.RequestError | None = None
         greq: gen.GenRequest | None = None
         clauses: list[Clause] = []
         try:
@@ -635,31 +852,185 @@ class Simulator:
                 max_model_len=self.config.max_model_len,
                 dialect=self.dialect,
             )
+            greq = dataclasses.replace(greq, request_id=h.get("x-request-id"))
             record["stream"] = greq.stream
+            if kind == "responses":
+                greq = self._responses_state(greq, record)
         except FaultSpecError as exc:
-            error = (400, self.dialect.bad_request_error(str(exc), HEADER))
+            error = gen.RequestError(400, self.dialect.bad_request_error(str(exc), HEADER))
+            if kind == "messages":
+                error = gen.RequestError(400, messages_api.error_body("invalid_request_error", str(exc)))
         except gen.RequestError as exc:
-            error = (exc.status, exc.body)
+            error = exc
         self.log.write(record)
         plan = FaultPlan(clauses, attempt=attempt, replica=self.config.name)
         ex = Exchange(self, conn, request, plan, record)
+        if error is not None or greq is None:
+            return await self._refuse(ex, error)
+        if kind == "responses" and greq.params.background:
+            return await self._run_background(ex, greq)
         keep = False
         try:
-            if error is not None or greq is None:
-                status, body = error or self.dialect.failed_reply()
-                try:
-                    await ex.send_reply(status, body)
-                    keep = request.keep_alive
-                except _End as end:
-                    keep = end.keep_alive
-            else:
-                keep = await ex.run(greq)
+            keep = await ex.run(greq)
         except asyncio.CancelledError:
             ex.outcome = "shutdown"
             raise
         finally:
             self.log.write(ex.end_record())
         return keep
+
+    def _responses_state(self, greq: gen.GenRequest, record: dict[str, Any]) -> gen.GenRequest:
+        """What a Responses request needs of the store: ``background`` needs it on, ``previous_response_id``
+        needs the response held here (its turns become part of the prompt)."""
+        from router_testbed.sim import responses
+
+        p: responses.ResponsesParams = greq.params
+        store = p.store and self.config.responses_store
+        record.update(store=store, background=p.background, previous_response_id=p.previous_response_id)
+        if p.background and p.store and not self.config.responses_store:
+            raise gen.RequestError(400, responses.background_without_store_error())
+        greq = dataclasses.replace(greq, params=dataclasses.replace(p, store=store))
+        if p.previous_response_id is None:
+            return greq
+        previous = self.responses.get(p.previous_response_id) if self.config.responses_store else None
+        if previous is None:
+            raise gen.RequestError(404, responses.not_found_error(p.previous_response_id))
+        prompt = f"{previous.prompt}\nassistant: {previous.output_text}\n{p.input_text}"
+        return responses.with_prompt(greq, prompt, self.config.max_model_len)
+
+    async def _refuse(self, ex: Exchange, error: gen.RequestError | None) -> bool:
+        request = ex.request
+        status, body = (error.status, error.body) if error is not None else self.dialect.failed_reply()
+        ex.outcome = "refused" if error is not None else "error"
+        ex.status = status
+        try:
+            if error is not None and error.plain:  # an exception outside the app (SGLang's /v1/responses)
+                reply = json_response(status, body, self.config.name, "text/plain; charset=utf-8", vary=False)
+                await ex.send_raw(reply)
+            else:
+                await ex.send_reply(status, body)
+            return request.keep_alive
+        except _End as end:
+            return end.keep_alive
+        finally:
+            self.log.write(ex.end_record())
+
+    async def _run_background(self, ex: Exchange, greq: gen.GenRequest) -> bool:
+        """``background: true``: the run is a task of its own that outlives the connection. The connection is
+        answered (the queued object, or the stream while its client stays) and then released."""
+
+        async def run() -> None:
+            try:
+                await ex.run(greq)
+            except asyncio.CancelledError:
+                if ex.entry is None or not ex.entry.cancelled:
+                    ex.outcome = "shutdown"
+                    raise
+                ex.outcome = "cancelled"
+                if ex.streaming and not ex.detached:
+                    # vLLM's stream then waits for events that never come: its client hangs
+                    await ex.conn.wait_gone(None)
+                    ex._note_gone()
+            finally:
+                ex.release(False)
+                self.log.write(ex.end_record())
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await ex.released.wait()
+        return ex.release_keep_alive
+
+    # -- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
+    async def handle_stored(
+        self, conn: Connection, conn_no: int, request: Request, response_id: str, cancel: bool
+    ) -> bool:
+        from router_testbed.sim import responses
+
+        name = self.config.name
+        want = "POST" if cancel else "GET"
+        if request.method != want:
+            await conn.send(json_response(405, b'{"detail":"Method Not Allowed"}', name))
+            return request.keep_alive
+        record = self._start_record(conn_no, request, "responses")
+        record["response_id"] = response_id
+        self.log.write(record)
+        ex = Exchange(self, conn, request, FaultPlan([], attempt=None, replica=name), record)
+        keep = request.keep_alive
+        try:
+            if not self.dialect.serves_responses:
+                ex.status, ex.outcome = 500, "error"
+                reply = json_response(
+                    500, b"Internal Server Error", name, "text/plain; charset=utf-8", vary=False
+                )
+                await ex.send_raw(reply)
+                return keep
+            entry = self.responses.get(response_id) if self.config.responses_store else None
+            if entry is None:
+                ex.outcome = "not_found"
+                await ex.send_reply(404, responses.not_found_error(response_id))
+                return keep
+            if cancel:
+                return await self._cancel(ex, entry)
+            query = parse_qs(urlsplit(request.target).query)
+            stream = query.get("stream", ["false"])[-1].lower() in ("true", "1", "yes", "on")
+            if not stream:
+                await ex.send_reply(200, gen.dumps(entry.response).encode())
+                return keep
+            after = query.get("starting_after", [None])[-1]
+            start = int(after) + 1 if after is not None and after.lstrip("-").isdigit() else 0
+            return await self._replay(ex, entry, start)
+        except _End as end:
+            return end.keep_alive
+        finally:
+            self.log.write(ex.end_record())
+
+    async def _cancel(self, ex: Exchange, entry: StoredResponse) -> bool:
+        from router_testbed.sim import responses
+
+        if entry.status not in ("queued", "in_progress"):
+            ex.outcome = "refused"
+            await ex.send_reply(400, responses.cannot_cancel_error())
+            return ex.request.keep_alive
+        entry.response = {**entry.response, "status": "cancelled"}
+        entry.cancelled = True
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+        ex.outcome = "cancelled"
+        await ex.send_reply(200, gen.dumps(entry.response).encode())
+        return ex.request.keep_alive
+
+    async def _replay(self, ex: Exchange, entry: StoredResponse, start: int) -> bool:
+        """``GET …?stream=true&starting_after=N``: the events of a background stream from N+1 to
+        ``response.completed``, as they come. vLLM 0.32 keeps events only for background streams: for any
+        other response the stream fails after its status line (connection closed without the last chunk),
+        and a run that dies before ``response.completed`` leaves its readers waiting."""
+        ex.status = 200
+        await ex.send_raw(stream_head(self.config.name, self.dialect))
+        if entry.events is None:
+            ex.outcome = "error"
+            await ex.conn.flush()
+            ex.conn.close()
+            raise _End(False)
+        index = max(start, 0)
+        while True:
+            while index >= len(entry.events):
+                changed = entry.changed()
+                waiter = asyncio.ensure_future(changed.wait())
+                gone = asyncio.ensure_future(ex.conn.eof.wait())
+                done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                for pending in (waiter, gone):
+                    if pending not in done:
+                        pending.cancel()
+                if gone in done:
+                    ex._client_gone()
+            event = entry.events[index]
+            index += 1
+            await ex.send_raw(gen.chunk(event))
+            ex.events_written += 1
+            if event.startswith(b"event: response.completed\n"):
+                await ex.send_raw(gen.LAST_CHUNK)
+                return ex.request.keep_alive
 
     def close_connections(self) -> None:
         for conn in list(self._conns):
@@ -692,6 +1063,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(gen.DIALECTS),
         default="vllm",
         help="whose OpenAI server to speak: ids, events, errors, endpoints (default %(default)s)",
+    )
+    p.add_argument(
+        "--responses-store",
+        action="store_true",
+        help="keep Responses API answers in memory (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1): "
+        "previous_response_id, GET /v1/responses/{id}, background: true",
     )
     p.add_argument(
         "--tool-url",
@@ -742,6 +1119,7 @@ def config_from_args(argv: Sequence[str] | None) -> SimConfig:
         tool_url=args.tool_url,
         tool_timeout=args.tool_timeout,
         dialect=args.dialect,
+        responses_store=args.responses_store,
     )
 
 
