@@ -10,7 +10,12 @@ _MAX_BODY = 1 << 20
 
 
 class EngineDown(Exception):
-    """The engine did not answer a probe properly; the message says how."""
+    """The engine did not answer a probe properly; the message says how. `slow`: it did not answer in time
+    (a busy engine is slow, not down: one such miss is not taken for a failure)."""
+
+    def __init__(self, message: str, *, slow: bool = False) -> None:
+        super().__init__(message)
+        self.slow = slow
 
 
 def split_hostport(text: str) -> tuple[str, int]:

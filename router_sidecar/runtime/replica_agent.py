@@ -84,7 +84,7 @@ class EngineProbe:
         try:
             return await http_get(self.host, self.port, path, timeout)
         except TimeoutError as exc:
-            raise EngineDown(f"GET {path}: no answer within {timeout:g}s") from exc
+            raise EngineDown(f"GET {path}: no answer within {timeout:g}s", slow=True) from exc
         except OSError as exc:
             raise EngineDown(f"GET {path}: {exc.strerror or exc}") from exc
 
@@ -203,9 +203,10 @@ class ReplicaAgent:
         )
         self._healthy: bool | None = None
         self._draining_since: float | None = None  # monotonic: when the engine began to drain
-        # A draining engine busy with what it finishes may miss one probe: only a second miss in a row
-        # withdraws it (withdrawn, the attempts in flight there would be taken for lost).
-        self._missed_while_draining = False
+        # A draining engine busy with what it finishes may miss one probe, and so may a healthy one too busy
+        # to answer in time (slowness is not failure): only a second miss in a row withdraws it (withdrawn,
+        # the attempts in flight there would be taken for lost). A refused connection withdraws it at once.
+        self._missed = False
         self._ready_printed = False
         self.front: Any = None  # replica mode: the `ReplicaFront`; its Envoy dead → withdrawn like the engine
 
@@ -218,21 +219,23 @@ class ReplicaAgent:
         try:
             probed, info = await self._check()
         except EngineDraining as exc:
-            self._missed_while_draining = False
+            self._missed = False
             await self._drain(exc)
             return
         except EngineDown as exc:
-            if self._draining_since is not None and not self._missed_while_draining:
-                self._missed_while_draining = True
-                log.warning("engine %s draining, no answer (%s); kept once more", self.options.engine, exc)
+            tolerated = self._draining_since is not None or (exc.slow and self._healthy is True)
+            if tolerated and not self._missed:
+                self._missed = True
+                state = "draining" if self._draining_since is not None else "busy"
+                log.warning("engine %s %s, no answer (%s); kept once more", self.options.engine, state, exc)
                 return
-            self._missed_while_draining = False
+            self._missed = False
             if self._healthy is not False:
                 log.warning("engine %s unhealthy (%s); withdrawing", self.options.engine, exc)
             self._healthy, self._draining_since = False, None
             await self.heartbeat.withdraw()
             return
-        self._draining_since = None
+        self._draining_since, self._missed = None, False
         try:
             fingerprint = merge(self.declared, probed)
         except FingerprintError:

@@ -169,5 +169,7 @@ def test_a_frozen_sglang_is_withdrawn(etcd: str, sglang: FakeSglang, agent: Agen
     sglang.health_seconds = 30.0
     withdrawn = wait_for(lambda: sglang.endpoint not in replicas(etcd), timeout=15, what="withdrawal")
     print(f"\nSGLang /health unanswered → withdrawn after {withdrawn:.2f}s")
-    assert withdrawn <= HEALTH_SECONDS + INTERVAL + 0.5 + 2.0 + SLACK  # probe in flight, timeout + allowance
+    # A probe in flight, then two that time out (timeout + allowance each): the first is kept (a busy
+    # engine is slow, not down), the second withdraws it.
+    assert withdrawn <= HEALTH_SECONDS + 2 * (INTERVAL + 0.5 + 2.0) + SLACK
     assert "GET /health: no answer within 2.5s" in agent.stderr()

@@ -45,7 +45,8 @@ class RecordingHeartbeat:
 
 HEALTHY = (Fingerprint(model_id="tiny", engine_name="sglang", engine_version="0.5.23"), EngineInfo())
 DRAINING = EngineDraining("GET /health: HTTP 503 while the server still answers: draining")
-MISSED = EngineDown("GET /v1/models: timed out")
+MISSED = EngineDown("GET /v1/models: no answer within 2s", slow=True)
+REFUSED = EngineDown("GET /v1/models: Connection refused")
 
 
 def heartbeats(answers: list[Any], *, drain_seconds: float = 60.0) -> list[str]:
@@ -79,8 +80,20 @@ def test_misses_apart_are_each_tolerated_once() -> None:
     assert heartbeats(answers) == ["registered", "draining", "draining", "draining"]
 
 
-def test_a_missed_probe_when_not_draining_withdraws_at_once() -> None:
-    assert heartbeats([HEALTHY, MISSED]) == ["registered", "withdrawn"]
+def test_a_refused_probe_when_not_draining_withdraws_at_once() -> None:
+    assert heartbeats([HEALTHY, REFUSED]) == ["registered", "withdrawn"]
+
+
+def test_a_healthy_engine_too_busy_to_answer_in_time_is_kept_once() -> None:
+    # Slowness is not failure: one probe that times out keeps the registration; a second in a row (a frozen
+    # engine) withdraws it, one interval later than a refused connection would.
+    assert heartbeats([HEALTHY, MISSED, HEALTHY]) == ["registered", "registered"]
+    assert heartbeats([HEALTHY, MISSED, MISSED]) == ["registered", "withdrawn"]
+    assert heartbeats([HEALTHY, MISSED, HEALTHY, MISSED, HEALTHY]) == ["registered"] * 3
+
+
+def test_a_slow_first_probe_registers_nothing() -> None:
+    assert heartbeats([MISSED, HEALTHY]) == ["withdrawn", "registered"]
 
 
 def test_the_drain_ends_after_drain_seconds() -> None:
