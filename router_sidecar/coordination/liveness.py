@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
 from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
+from router_sidecar.core.destinations import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,21 @@ class LivenessMonitor:
         """The registered replicas a new attempt may go to: not those draining (their attempts in flight
         finish there; they are not lost)."""
         return {address: r for address, r in self.replicas.items() if not r.draining}
+
+    def candidates(self) -> list[Candidate]:
+        """Every replica a new attempt could be sent to, as Envoy names it (ip:port), in a stable order, with
+        why it may not be now (the request's destinations are chosen from these)."""
+        found = [
+            Candidate(address, r.digest, "draining" if r.draining else "")
+            for address, r in self.replicas.items()
+        ]
+        for name, failures in self._static_failures.items():
+            down = "failing its health checks" if failures >= self._probe_failures else ""
+            addresses = [ip for ip, n in self._aliases.items() if n == name] or (
+                [name] if _is_ip(name) else []
+            )
+            found += [Candidate(address, None, down) for address in addresses]
+        return found
 
     def _static_name(self, address: str) -> str:
         return self._aliases.get(address, address)
@@ -179,10 +195,9 @@ class LivenessMonitor:
         loop = asyncio.get_running_loop()
         aliases: dict[str, str] = {}
         for name in self._static_failures:
-            host, port = split_hostport(name)
-            with contextlib.suppress(ValueError):
-                ipaddress.ip_address(host.strip("[]"))
+            if _is_ip(name):
                 continue  # an address already: Envoy names it the same way
+            host, port = split_hostport(name)
             try:
                 async with asyncio.timeout(self._probe_timeout):
                     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -202,3 +217,13 @@ class LivenessMonitor:
         except (OSError, TimeoutError, EngineDown, ValueError):
             return False  # ValueError: an answer that is not HTTP (a broken chunked body, say)
         return status == 200
+
+
+def _is_ip(address: str) -> bool:
+    """Whether HOST:PORT names its host by address (Envoy names its hosts so), not by a DNS name."""
+    host, _ = split_hostport(address)
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True

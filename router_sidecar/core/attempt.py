@@ -581,10 +581,12 @@ class Attempt:
         max_event_bytes: int,
         classify: Classifier = classify_openai,
         leased: bool = True,
+        chosen_by: str | None = None,
     ) -> None:
         self.attempt_id = attempt_id
         self.number = number
         self.replica = replica
+        self.chosen_by = chosen_by  # why it went to its replica (the request's destinations), journal only
         self.state = AttemptState.AWAITING_HEADERS
         self.reply = Reply.NOTHING_YET
         # An attempt that never had a lease (its stream went before it got one) cannot publish: fenced.

@@ -40,6 +40,7 @@ from router_sidecar.core.attempt import (
     TriggerRetry,
     is_event_stream,
 )
+from router_sidecar.core.destinations import Destinations
 from router_sidecar.core.dialects import Dialect, dialect_for
 from router_sidecar.core.events import Event, EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest
@@ -118,7 +119,10 @@ ClientError = FailRequest | DuplicateRun
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """The request passed admission (parsed, placed, registered): claim its id and forward it."""
+    """The request passed admission (parsed, pinned, registered): claim its id and forward it.
+    `destinations`: the order of replicas its attempts walk (None: none chosen; Envoy's balancer chooses)."""
+
+    destinations: Destinations | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,6 +522,7 @@ class LogicalRequest:
         self.client = ClientStream.RECEIVED
         self.model_revision: str | None = None
         self.fingerprint_digest: str | None = None  # the compatibility group every attempt is pinned to
+        self.destinations: Destinations | None = None  # the replicas its attempts walk, in order
         self.tool_calls: dict[str, dict[str, Any]] = {}  # idempotency key → what happened, by which attempt
         self.tool_calls_dropped = 0  # beyond tools.max_calls_per_request: counted, not listed
         self.outbox: list[Event] = []
@@ -640,6 +645,7 @@ class LogicalRequest:
     def _admitted(self, e: Admitted) -> list[Decision]:
         if self.client is not ClientStream.RECEIVED:
             raise IllegalInput(f"request {self.request_id}: admitted twice")
+        self.destinations = e.destinations
         before = self.policy.journal.claim_before_forwarding
         # Claimed before forwarding, the claim runs inside Envoy's admission timeout: no patience then.
         decisions: list[Decision] = [StartClaim(patient=not before)]
@@ -816,9 +822,11 @@ class LogicalRequest:
             max_event_bytes=limits.max_event_bytes,
             classify=self.dialect.classify,
             leased=leased,
+            chosen_by=self.destinations.why(replica) if self.destinations is not None else None,
         )
         self.attempts.append(attempt)
-        self._emit(EventName.ATTEMPT_STARTED, attempt.number, attempt_id=attempt_id, replica=replica)
+        why = {"reason": attempt.chosen_by} if attempt.chosen_by else {}
+        self._emit(EventName.ATTEMPT_STARTED, attempt.number, attempt_id=attempt_id, replica=replica, **why)
         return attempt
 
     def _arrival_gone(self, e: ArrivalGone) -> list[Decision]:

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from router_sidecar.core.attempt import FAILED_STATES, Attempt, AttemptState, FailRequest
+from router_sidecar.core.destinations import Destinations
 from router_sidecar.core.dialects import ErrorShape, anthropic_error_type
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
@@ -38,6 +39,18 @@ def attempt_record(attempt: Attempt, request_phase: Phase) -> rec.AttemptRecord:
         status=attempt.status,
         lease=rec.LeaseRecord(**lease.as_record()) if lease is not None else None,
         fence=rec.FenceRecord(**attempt.fence) if attempt.fence is not None else None,
+        chosen_by=attempt.chosen_by,
+    )
+
+
+def destinations_record(destinations: Destinations | None) -> rec.DestinationsRecord | None:
+    if destinations is None:
+        return None
+    return rec.DestinationsRecord(
+        source=destinations.source,
+        order=destinations.order,
+        picker=destinations.picker,
+        excluded=[rec.ExcludedReplica(replica=a, why=why) for a, why in destinations.excluded],
     )
 
 
@@ -156,6 +169,7 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
         ),
         tool_calls_not_listed=request.tool_calls_dropped or None,
         envoy_attempts=request.envoy_attempts,
+        destinations=destinations_record(request.destinations),
     )
 
 

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 import grpc
-from google.protobuf import any_pb2, struct_pb2
+from google.protobuf import any_pb2
 
 from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.registry_store import Replica
@@ -61,12 +61,6 @@ def choose_pin(replicas: Mapping[str, Replica], model: str) -> Replica | None:
     sizes = Counter(r.digest for r in serving)
     best = max(sizes, key=lambda digest: (sizes[digest], digest))
     return next(r for r in serving if r.digest == best)
-
-
-def pin_metadata(digest: str) -> struct_pb2.Struct:
-    metadata = struct_pb2.Struct()
-    metadata.update({"envoy.lb": {PIN_KEY: digest}})
-    return metadata
 
 
 def compatible_alternatives(replicas: Mapping[str, Replica], digest: str, exclude: str) -> int:

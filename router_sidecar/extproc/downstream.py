@@ -24,12 +24,13 @@ from google.protobuf.struct_pb2 import Struct
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
+from router_sidecar.core.destinations import PICKER_KEY, SERVED_KEY, Destinations, choose, picker_list
 from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
-from router_sidecar.extproc.discovery import choose_pin, pin_metadata, why_no_compatible_replica
+from router_sidecar.extproc.discovery import PIN_KEY, choose_pin, why_no_compatible_replica
 from router_sidecar.extproc.registry import Live
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.tool_calls import ToolCallStream
@@ -144,8 +145,10 @@ class Inference(PassThrough):
         tenant: str,
         policy: Policy,
         trace_context: dict[str, str],
+        picker: tuple[str, ...] = (),
     ) -> None:
         self._services = services
+        self._picker = picker  # an endpoint picker's list of replicas for this request (envoy.lb metadata)
         self._trace_context = trace_context  # the client's traceparent/tracestate: our spans' parent
         self._policy = policy  # the gateway's, or its route's overlay of it
         self._writer = writer
@@ -179,7 +182,6 @@ class Inference(PassThrough):
                 extra_headers=[("x-request-id", request_id)],
             )
         request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
-        pin: Struct | None = None
         if services.discovery:
             pinned = choose_pin(services.liveness.routable, parsed.model)
             if pinned is None:
@@ -201,7 +203,12 @@ class Inference(PassThrough):
                 )
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
-            pin = pin_metadata(pinned.digest)
+        destinations = choose(
+            services.liveness.candidates(),
+            pinned=request.fingerprint_digest,
+            picker=self._picker,
+            turn=next(services.turns),
+        )
         live = services.registry.add(request, services)
         if live is None:
             return _in_flight(request_id, self._shape)
@@ -212,7 +219,7 @@ class Inference(PassThrough):
         services.journal.begin(request)
         # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it); the
         # machine holds back whatever must wait for it.
-        decision = await self._decided(r.Admitted())
+        decision = await self._decided(r.Admitted(destinations))
         if isinstance(decision, r.RejectRequest):
             # A duplicate refused before forwarding: nothing of this run was journaled, nothing is served.
             self._live = None
@@ -220,7 +227,7 @@ class Inference(PassThrough):
             services.journal.release(request)
             return self._immediate(request, decision.error)
         logs.bind(trace_id=services.telemetry.trace_id(request))
-        return m.request_body_reply(dynamic_metadata=pin)
+        return m.request_body_reply(dynamic_metadata=_lb_metadata(request, destinations))
 
     async def _decided(self, event: r.Input) -> r.Decision:
         """Feed `event` and wait for the machine's reply to the message it came with (now, or once what it
@@ -279,7 +286,10 @@ class Inference(PassThrough):
             return None  # the client was answered already
         if isinstance(decision, r.ReplaceResponse):
             return self._replace(request, decision.error)
-        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)))
+        # The replica that serves, as the endpoint picker protocol reports it (a picker before this filter
+        # reads it at its own response headers, which come after ours).
+        served = m.lb_metadata({SERVED_KEY: request.publisher.replica}) if request.publisher else None
+        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)), served)
 
     def _replace(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
         if self._headers_only:
@@ -375,6 +385,16 @@ class Inference(PassThrough):
                 services.journal.release(request)
 
 
+def _lb_metadata(request: r.LogicalRequest, destinations: Destinations) -> Struct | None:
+    """What the cluster's load balancer reads: the order of the attempts' replicas (override_host; an
+    endpoint picker's list, if any, is replaced by it) and the compatibility pin (its fallback, past the
+    order's end)."""
+    values = {PICKER_KEY: ",".join(destinations.order)} if destinations.order else {}
+    if request.fingerprint_digest is not None:
+        values[PIN_KEY] = request.fingerprint_digest
+    return m.lb_metadata(values) if values else None
+
+
 def _duplicate_body(duplicate: r.DuplicateRun, request_id: str, shape: ErrorShape) -> bytes:
     """The 409 body for a request whose id another run holds: still in flight, or finished with output."""
     if duplicate.in_flight:
@@ -421,7 +441,8 @@ class DownstreamStream:
         if first is grpc.aio.EOF:
             return
         if first.WhichOneof("request") == "request_headers":
-            processor, reply = await self._choose(first.request_headers, writer, route_policy)
+            picker = picker_list(m.lb_value(first, PICKER_KEY))
+            processor, reply = await self._choose(first.request_headers, writer, route_policy, picker)
             await writer.write(reply)
             pending = None
         else:
@@ -456,7 +477,11 @@ class DownstreamStream:
             self._services.telemetry.stream_handled("downstream", handled, busy)
 
     async def _choose(
-        self, message: m.ep.HttpHeaders, writer: _Writer, route_policy: str | None = None
+        self,
+        message: m.ep.HttpHeaders,
+        writer: _Writer,
+        route_policy: str | None = None,
+        picker: tuple[str, ...] = (),
     ) -> tuple[PassThrough, m.ProcessingResponse]:
         services = self._services
         pairs = m.header_pairs(message)
@@ -550,7 +575,7 @@ class DownstreamStream:
         strip += [k for k, _ in pairs if k in INFERENCE_STRIPPED]
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
         trace_context = {k: headers[k] for k in TRACE_CONTEXT_HEADERS if k in headers}
-        return Inference(services, writer, route, request_id, tenant, policy, trace_context), reply
+        return Inference(services, writer, route, request_id, tenant, policy, trace_context, picker), reply
 
     async def _probe(self, probe: Probe | None) -> m.ProcessingResponse:
         """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from google.protobuf.struct_pb2 import Struct
+from google.protobuf.struct_pb2 import ListValue, Struct
 
 from router_sidecar.wire import core_pb2
 from router_sidecar.wire import ext_proc_pb2 as ep
@@ -91,8 +91,33 @@ def request_body_reply(
     return reply
 
 
-def response_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
-    return ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(mutation)))
+def response_headers_reply(
+    mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
+) -> ProcessingResponse:
+    reply = ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(mutation)))
+    if dynamic_metadata is not None:
+        reply.dynamic_metadata.CopyFrom(dynamic_metadata)
+    return reply
+
+
+# The dynamic metadata namespace Envoy's load balancers read (the subset pin, override_host's list) and where
+# an endpoint picker writes its choice.
+LB_NAMESPACE = "envoy.lb"
+
+
+def lb_metadata(values: dict[str, str]) -> Struct:
+    metadata = Struct()
+    metadata.update({LB_NAMESPACE: values})
+    return metadata
+
+
+def lb_value(request: ProcessingRequest, key: str) -> object:
+    """A value of the request's `envoy.lb` metadata as Envoy forwarded it (None: absent)."""
+    namespace = request.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if namespace is None or key not in namespace.fields:
+        return None
+    value = namespace[key]
+    return list(value) if isinstance(value, ListValue) else value
 
 
 RESPONSE_BODY_CONTINUE = ProcessingResponse(response_body=ep.BodyResponse())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from router_sidecar.coordination.fencing import AttemptLeases
@@ -32,3 +34,5 @@ class Services:
     parser: RequestParser  # large request bodies are parsed in a worker process
     tenant_secret: bytes = b""  # keys the credential digests; loaded at start (coordination/tenancy.py)
     telemetry: Telemetry = field(default_factory=Telemetry)  # spans and metrics (no-op unless configured)
+    # Each request's turn in the gateway's own round robin over the replicas (core/destinations.py).
+    turns: Iterator[int] = field(default_factory=itertools.count)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JournalRecord(_message.Message):
-    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts")
+    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts", "destinations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class JournalRecord(_message.Message):
     TRACE_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     ENVOY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: str
     outcome: str
@@ -52,10 +53,31 @@ class JournalRecord(_message.Message):
     trace: str
     updated_at: float
     envoy_attempts: int
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ...) -> None: ...
+    destinations: DestinationsRecord
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ..., destinations: _Optional[_Union[DestinationsRecord, _Mapping]] = ...) -> None: ...
+
+class DestinationsRecord(_message.Message):
+    __slots__ = ("source", "order", "picker", "excluded")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    PICKER_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    order: _containers.RepeatedScalarFieldContainer[str]
+    picker: _containers.RepeatedScalarFieldContainer[str]
+    excluded: _containers.RepeatedCompositeFieldContainer[ExcludedReplica]
+    def __init__(self, source: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., picker: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedReplica, _Mapping]]] = ...) -> None: ...
+
+class ExcludedReplica(_message.Message):
+    __slots__ = ("replica", "why")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    why: str
+    def __init__(self, replica: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class AttemptRecord(_message.Message):
-    __slots__ = ("attempt", "attempt_id", "replica", "outcome", "detail", "status", "lease", "fence")
+    __slots__ = ("attempt", "attempt_id", "replica", "outcome", "detail", "status", "lease", "fence", "chosen_by")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +86,7 @@ class AttemptRecord(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_BY_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     attempt_id: str
     replica: str
@@ -72,7 +95,8 @@ class AttemptRecord(_message.Message):
     status: int
     lease: LeaseRecord
     fence: FenceRecord
-    def __init__(self, attempt: _Optional[int] = ..., attempt_id: _Optional[str] = ..., replica: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., status: _Optional[int] = ..., lease: _Optional[_Union[LeaseRecord, _Mapping]] = ..., fence: _Optional[_Union[FenceRecord, _Mapping]] = ...) -> None: ...
+    chosen_by: str
+    def __init__(self, attempt: _Optional[int] = ..., attempt_id: _Optional[str] = ..., replica: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., status: _Optional[int] = ..., lease: _Optional[_Union[LeaseRecord, _Mapping]] = ..., fence: _Optional[_Union[FenceRecord, _Mapping]] = ..., chosen_by: _Optional[str] = ...) -> None: ...
 
 class LeaseRecord(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "granted_at", "stopped_at", "revoked_at")

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from router_sidecar.wire import core_pb2 as router__sidecar_dot_wire_dot_core__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"router_sidecar/wire/ext_proc.proto\x12\x16router_sidecar.wire.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1erouter_sidecar/wire/core.proto\"\xb4\x04\n\x11ProcessingRequest\x12>\n\x0frequest_headers\x18\x02 \x01(\x0b\x32#.router_sidecar.wire.v1.HttpHeadersH\x00\x12?\n\x10response_headers\x18\x03 \x01(\x0b\x32#.router_sidecar.wire.v1.HttpHeadersH\x00\x12\x38\n\x0crequest_body\x18\x04 \x01(\x0b\x32 .router_sidecar.wire.v1.HttpBodyH\x00\x12\x39\n\rresponse_body\x18\x05 \x01(\x0b\x32 .router_sidecar.wire.v1.HttpBodyH\x00\x12@\n\x10request_trailers\x18\x06 \x01(\x0b\x32$.router_sidecar.wire.v1.HttpTrailersH\x00\x12\x41\n\x11response_trailers\x18\x07 \x01(\x0b\x32$.router_sidecar.wire.v1.HttpTrailersH\x00\x12M\n\nattributes\x18\t \x03(\x0b\x32\x39.router_sidecar.wire.v1.ProcessingRequest.AttributesEntry\x1aJ\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\x42\t\n\x07request\"X\n\x0bHttpHeaders\x12\x32\n\x07headers\x18\x01 \x01(\x0b\x32!.router_sidecar.wire.v1.HeaderMap\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"/\n\x08HttpBody\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"C\n\x0cHttpTrailers\x12\x33\n\x08trailers\x18\x01 \x01(\x0b\x32!.router_sidecar.wire.v1.HeaderMap\"\xaf\x04\n\x12ProcessingResponse\x12\x42\n\x0frequest_headers\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.HeadersResponseH\x00\x12\x43\n\x10response_headers\x18\x02 \x01(\x0b\x32\'.router_sidecar.wire.v1.HeadersResponseH\x00\x12<\n\x0crequest_body\x18\x03 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyResponseH\x00\x12=\n\rresponse_body\x18\x04 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyResponseH\x00\x12\x44\n\x10request_trailers\x18\x05 \x01(\x0b\x32(.router_sidecar.wire.v1.TrailersResponseH\x00\x12\x45\n\x11response_trailers\x18\x06 \x01(\x0b\x32(.router_sidecar.wire.v1.TrailersResponseH\x00\x12G\n\x12immediate_response\x18\x07 \x01(\x0b\x32).router_sidecar.wire.v1.ImmediateResponseH\x00\x12\x31\n\x10\x64ynamic_metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.StructB\n\n\x08response\"K\n\x0fHeadersResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.CommonResponse\"H\n\x0c\x42odyResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.CommonResponse\"S\n\x10TrailersResponse\x12?\n\x0fheader_mutation\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\"\x8e\x01\n\x0e\x43ommonResponse\x12?\n\x0fheader_mutation\x18\x02 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\x12;\n\rbody_mutation\x18\x03 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyMutation\"h\n\x0eHeaderMutation\x12>\n\x0bset_headers\x18\x01 \x03(\x0b\x32).router_sidecar.wire.v1.HeaderValueOption\x12\x16\n\x0eremove_headers\x18\x02 \x03(\t\"e\n\x0c\x42odyMutation\x12I\n\x11streamed_response\x18\x03 \x01(\x0b\x32,.router_sidecar.wire.v1.StreamedBodyResponseH\x00\x42\n\n\x08mutation\";\n\x14StreamedBodyResponse\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"\x9f\x01\n\x11ImmediateResponse\x12\x32\n\x06status\x18\x01 \x01(\x0b\x32\".router_sidecar.wire.v1.HttpStatus\x12\x37\n\x07headers\x18\x02 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"router_sidecar/wire/ext_proc.proto\x12\x16router_sidecar.wire.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1erouter_sidecar/wire/core.proto\"\xf0\x04\n\x11ProcessingRequest\x12>\n\x0frequest_headers\x18\x02 \x01(\x0b\x32#.router_sidecar.wire.v1.HttpHeadersH\x00\x12?\n\x10response_headers\x18\x03 \x01(\x0b\x32#.router_sidecar.wire.v1.HttpHeadersH\x00\x12\x38\n\x0crequest_body\x18\x04 \x01(\x0b\x32 .router_sidecar.wire.v1.HttpBodyH\x00\x12\x39\n\rresponse_body\x18\x05 \x01(\x0b\x32 .router_sidecar.wire.v1.HttpBodyH\x00\x12@\n\x10request_trailers\x18\x06 \x01(\x0b\x32$.router_sidecar.wire.v1.HttpTrailersH\x00\x12\x41\n\x11response_trailers\x18\x07 \x01(\x0b\x32$.router_sidecar.wire.v1.HttpTrailersH\x00\x12:\n\x10metadata_context\x18\x08 \x01(\x0b\x32 .router_sidecar.wire.v1.Metadata\x12M\n\nattributes\x18\t \x03(\x0b\x32\x39.router_sidecar.wire.v1.ProcessingRequest.AttributesEntry\x1aJ\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct:\x02\x38\x01\x42\t\n\x07request\"X\n\x0bHttpHeaders\x12\x32\n\x07headers\x18\x01 \x01(\x0b\x32!.router_sidecar.wire.v1.HeaderMap\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"/\n\x08HttpBody\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"C\n\x0cHttpTrailers\x12\x33\n\x08trailers\x18\x01 \x01(\x0b\x32!.router_sidecar.wire.v1.HeaderMap\"\xaf\x04\n\x12ProcessingResponse\x12\x42\n\x0frequest_headers\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.HeadersResponseH\x00\x12\x43\n\x10response_headers\x18\x02 \x01(\x0b\x32\'.router_sidecar.wire.v1.HeadersResponseH\x00\x12<\n\x0crequest_body\x18\x03 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyResponseH\x00\x12=\n\rresponse_body\x18\x04 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyResponseH\x00\x12\x44\n\x10request_trailers\x18\x05 \x01(\x0b\x32(.router_sidecar.wire.v1.TrailersResponseH\x00\x12\x45\n\x11response_trailers\x18\x06 \x01(\x0b\x32(.router_sidecar.wire.v1.TrailersResponseH\x00\x12G\n\x12immediate_response\x18\x07 \x01(\x0b\x32).router_sidecar.wire.v1.ImmediateResponseH\x00\x12\x31\n\x10\x64ynamic_metadata\x18\x08 \x01(\x0b\x32\x17.google.protobuf.StructB\n\n\x08response\"K\n\x0fHeadersResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.CommonResponse\"H\n\x0c\x42odyResponse\x12\x38\n\x08response\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.CommonResponse\"S\n\x10TrailersResponse\x12?\n\x0fheader_mutation\x18\x01 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\"\x8e\x01\n\x0e\x43ommonResponse\x12?\n\x0fheader_mutation\x18\x02 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\x12;\n\rbody_mutation\x18\x03 \x01(\x0b\x32$.router_sidecar.wire.v1.BodyMutation\"h\n\x0eHeaderMutation\x12>\n\x0bset_headers\x18\x01 \x03(\x0b\x32).router_sidecar.wire.v1.HeaderValueOption\x12\x16\n\x0eremove_headers\x18\x02 \x03(\t\"e\n\x0c\x42odyMutation\x12I\n\x11streamed_response\x18\x03 \x01(\x0b\x32,.router_sidecar.wire.v1.StreamedBodyResponseH\x00\x42\n\n\x08mutation\";\n\x14StreamedBodyResponse\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x15\n\rend_of_stream\x18\x02 \x01(\x08\"\x9f\x01\n\x11ImmediateResponse\x12\x32\n\x06status\x18\x01 \x01(\x0b\x32\".router_sidecar.wire.v1.HttpStatus\x12\x37\n\x07headers\x18\x02 \x01(\x0b\x32&.router_sidecar.wire.v1.HeaderMutation\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_options = b'8\001'
   _globals['_PROCESSINGREQUEST']._serialized_start=125
-  _globals['_PROCESSINGREQUEST']._serialized_end=689
-  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_start=604
-  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_end=678
-  _globals['_HTTPHEADERS']._serialized_start=691
-  _globals['_HTTPHEADERS']._serialized_end=779
-  _globals['_HTTPBODY']._serialized_start=781
-  _globals['_HTTPBODY']._serialized_end=828
-  _globals['_HTTPTRAILERS']._serialized_start=830
-  _globals['_HTTPTRAILERS']._serialized_end=897
-  _globals['_PROCESSINGRESPONSE']._serialized_start=900
-  _globals['_PROCESSINGRESPONSE']._serialized_end=1459
-  _globals['_HEADERSRESPONSE']._serialized_start=1461
-  _globals['_HEADERSRESPONSE']._serialized_end=1536
-  _globals['_BODYRESPONSE']._serialized_start=1538
-  _globals['_BODYRESPONSE']._serialized_end=1610
-  _globals['_TRAILERSRESPONSE']._serialized_start=1612
-  _globals['_TRAILERSRESPONSE']._serialized_end=1695
-  _globals['_COMMONRESPONSE']._serialized_start=1698
-  _globals['_COMMONRESPONSE']._serialized_end=1840
-  _globals['_HEADERMUTATION']._serialized_start=1842
-  _globals['_HEADERMUTATION']._serialized_end=1946
-  _globals['_BODYMUTATION']._serialized_start=1948
-  _globals['_BODYMUTATION']._serialized_end=2049
-  _globals['_STREAMEDBODYRESPONSE']._serialized_start=2051
-  _globals['_STREAMEDBODYRESPONSE']._serialized_end=2110
-  _globals['_IMMEDIATERESPONSE']._serialized_start=2113
-  _globals['_IMMEDIATERESPONSE']._serialized_end=2272
+  _globals['_PROCESSINGREQUEST']._serialized_end=749
+  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_start=664
+  _globals['_PROCESSINGREQUEST_ATTRIBUTESENTRY']._serialized_end=738
+  _globals['_HTTPHEADERS']._serialized_start=751
+  _globals['_HTTPHEADERS']._serialized_end=839
+  _globals['_HTTPBODY']._serialized_start=841
+  _globals['_HTTPBODY']._serialized_end=888
+  _globals['_HTTPTRAILERS']._serialized_start=890
+  _globals['_HTTPTRAILERS']._serialized_end=957
+  _globals['_PROCESSINGRESPONSE']._serialized_start=960
+  _globals['_PROCESSINGRESPONSE']._serialized_end=1519
+  _globals['_HEADERSRESPONSE']._serialized_start=1521
+  _globals['_HEADERSRESPONSE']._serialized_end=1596
+  _globals['_BODYRESPONSE']._serialized_start=1598
+  _globals['_BODYRESPONSE']._serialized_end=1670
+  _globals['_TRAILERSRESPONSE']._serialized_start=1672
+  _globals['_TRAILERSRESPONSE']._serialized_end=1755
+  _globals['_COMMONRESPONSE']._serialized_start=1758
+  _globals['_COMMONRESPONSE']._serialized_end=1900
+  _globals['_HEADERMUTATION']._serialized_start=1902
+  _globals['_HEADERMUTATION']._serialized_end=2006
+  _globals['_BODYMUTATION']._serialized_start=2008
+  _globals['_BODYMUTATION']._serialized_end=2109
+  _globals['_STREAMEDBODYRESPONSE']._serialized_start=2111
+  _globals['_STREAMEDBODYRESPONSE']._serialized_end=2170
+  _globals['_IMMEDIATERESPONSE']._serialized_start=2173
+  _globals['_IMMEDIATERESPONSE']._serialized_end=2332
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProcessingRequest(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "attributes")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class ProcessingRequest(_message.Message):
     RESPONSE_BODY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TRAILERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     request_headers: HttpHeaders
     response_headers: HttpHeaders
@@ -30,8 +31,9 @@ class ProcessingRequest(_message.Message):
     response_body: HttpBody
     request_trailers: HttpTrailers
     response_trailers: HttpTrailers
+    metadata_context: _core_pb2.Metadata
     attributes: _containers.MessageMap[str, _struct_pb2.Struct]
-    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ...) -> None: ...
+    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[_core_pb2.Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ...) -> None: ...
 
 class HttpHeaders(_message.Message):
     __slots__ = ("headers", "end_of_stream")

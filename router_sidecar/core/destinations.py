@@ -1,0 +1,104 @@
+"""Where a request's attempts go: an ordered list of replicas, decided once at admission, with its reasons
+(sans-IO).
+
+Envoy's `override_host` load-balancing policy takes the list from the request's `envoy.lb` metadata: the
+first attempt goes to its first entry, each retry to the next one (an entry Envoy does not know is skipped),
+and only when the list runs out does the cluster's own balancer choose (inside the pinned compatibility group,
+never a host tried before). So where an attempt goes is our decision, made here and journaled with why
+(docs/design.md#where-attempts-go):
+
+* behind an endpoint picker (GAIE's EPP, llm-d) its list comes first, in its order, less the entries that are
+  not ours to send to (unknown to the gateway, incompatible with the pinned fingerprint, draining, lost);
+* then our own order of the other usable, compatible replicas: round robin, one step per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PICKER_KEY", "SERVED_KEY", "Candidate", "Destinations", "choose", "picker_list"]
+
+# The endpoint picker protocol's keys (GAIE 004-endpoint-picker-protocol), in dynamic metadata namespace
+# `envoy.lb`: the picker's list (which the gateway replaces with its order of attempts), and the replica that
+# served, reported back to the picker at the response headers.
+PICKER_KEY = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+# A picker names a few endpoints; a list past these bounds is cut, not trusted.
+MAX_PICKER_ENTRIES = 64
+MAX_PICKER_TEXT = 4096
+
+PICKER, GATEWAY, PICKER_THEN_GATEWAY = "picker", "gateway", "picker+gateway"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A replica the gateway knows, as Envoy names it (`ip:port`)."""
+
+    address: str
+    digest: str | None = None  # its compatibility fingerprint (None: a static replica, compatible with all)
+    why_not: str = ""  # why no new attempt may go to it now (draining, failing its health checks); "": it may
+
+
+@dataclass(frozen=True, slots=True)
+class Destinations:
+    order: tuple[str, ...]  # the attempts' replicas, first attempt first
+    source: str  # PICKER, GATEWAY or PICKER_THEN_GATEWAY
+    picker: tuple[str, ...] = ()  # the picker's list as it came
+    excluded: tuple[tuple[str, str], ...] = ()  # (address, why) left out of the order
+    from_picker: int = 0  # how many entries of `order` (its head) are the picker's
+
+    def why(self, address: str) -> str:
+        """Why an attempt that went to `address` went there."""
+        if address in self.order:
+            index = self.order.index(address)
+            return f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
+        return "envoy: past the end of the order, or a replica the order does not name"
+
+
+def picker_list(value: object) -> tuple[str, ...]:
+    """The picker's endpoints from its metadata value: a comma-separated string (the protocol), or a list
+    of such strings; anything else is no list. Bounded, blanks dropped (entries are judged by `choose`)."""
+    if isinstance(value, str):
+        parts = value[:MAX_PICKER_TEXT].split(",")
+    elif isinstance(value, list | tuple):
+        texts = [v[:MAX_PICKER_TEXT] for v in value[:MAX_PICKER_ENTRIES] if isinstance(v, str)]
+        parts = [part for text in texts for part in text.split(",")]
+    else:
+        return ()
+    return tuple(p.strip() for p in parts if p.strip())[:MAX_PICKER_ENTRIES]
+
+
+def choose(
+    candidates: Sequence[Candidate],
+    *,
+    pinned: str | None,
+    picker: Sequence[str] = (),
+    turn: int = 0,
+) -> Destinations:
+    """The order of attempts: the picker's usable, compatible entries in its order, then the other usable,
+    compatible candidates round robin from `turn`."""
+    known = {c.address: c for c in candidates}
+    excluded: dict[str, str] = {}
+
+    def fits(address: str) -> bool:
+        candidate = known.get(address)
+        if candidate is None:
+            why = "not a replica this gateway knows"
+        elif candidate.why_not:
+            why = candidate.why_not
+        elif pinned is not None and candidate.digest not in (None, pinned):
+            why = f"incompatible with the pinned fingerprint {pinned}"
+        else:
+            return True
+        excluded.setdefault(address, why)
+        return False
+
+    from_picker = [a for a in dict.fromkeys(picker) if fits(a)]
+    rest = [a for a in known if a not in from_picker and fits(a)]
+    if rest:
+        step = turn % len(rest)
+        rest = rest[step:] + rest[:step]
+    source = PICKER_THEN_GATEWAY if from_picker and rest else PICKER if from_picker else GATEWAY
+    order = tuple(from_picker + rest)
+    return Destinations(order, source, tuple(picker), tuple(excluded.items()), from_picker=len(from_picker))
