@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PICKER_KEY", "SERVED_KEY", "Candidate", "Destinations", "choose", "picker_list"]
+__all__ = ["PICKER_KEY", "Candidate", "Destinations", "choose", "picker_list"]
 
-# The endpoint picker protocol's keys (GAIE 004-endpoint-picker-protocol), in dynamic metadata namespace
-# `envoy.lb`: the picker's list (which the gateway replaces with its order of attempts), and the replica that
-# served, reported back to the picker at the response headers.
+# The endpoint picker protocol's key (GAIE 004-endpoint-picker-protocol) in dynamic metadata namespace
+# `envoy.lb`: the picker's list, which the gateway replaces with its order of attempts. (The replica that
+# served goes back under `x-gateway-destination-endpoint-served`: Envoy's override_host writes it.)
 PICKER_KEY = "x-gateway-destination-endpoint"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 # A picker names a few endpoints; a list past these bounds is cut, not trusted.
 MAX_PICKER_ENTRIES = 64
 MAX_PICKER_TEXT = 4096

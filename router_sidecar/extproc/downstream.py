@@ -24,7 +24,7 @@ from google.protobuf.struct_pb2 import Struct
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
-from router_sidecar.core.destinations import PICKER_KEY, SERVED_KEY, Destinations, choose, picker_list
+from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, picker_list
 from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
@@ -286,10 +286,7 @@ class Inference(PassThrough):
             return None  # the client was answered already
         if isinstance(decision, r.ReplaceResponse):
             return self._replace(request, decision.error)
-        # The replica that serves, as the endpoint picker protocol reports it (a picker before this filter
-        # reads it at its own response headers, which come after ours).
-        served = m.lb_metadata({SERVED_KEY: request.publisher.replica}) if request.publisher else None
-        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)), served)
+        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)))
 
     def _replace(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
         if self._headers_only:

