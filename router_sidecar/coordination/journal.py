@@ -96,6 +96,7 @@ class _Entry:
         "lock",
         "lost",
         "released",
+        "response_indexed",
         "tail",
         "written",
         "written_at",
@@ -114,6 +115,7 @@ class _Entry:
         self.released = False  # the request left this gateway: the entry goes after a grace period
         self.finished = False  # its end was written: later news (a placement learning late) is written too
         self.in_flight_indexed = False  # its in-flight index entry exists (claimed, not yet terminal)
+        self.response_indexed = False  # its stored response's holder was written (keys.stored_response)
         self.lost = False  # the record is not ours (another run holds the id, or another instance closed it)
         # While the claim is in flight every other write waits for it: only the claim may create the record.
         self.claiming: asyncio.Future[None] | None = None
@@ -342,6 +344,17 @@ class Journal:
         raw = await self._store.get(keys.request(tenant, request_id))
         return None if raw is None else json.loads(raw)
 
+    async def response_holder(self, tenant: str, response_id: str) -> str | None:
+        """The replica that holds a stored Responses API response of this tenant (None: not known here)."""
+        raw = await self._store.get(keys.stored_response(tenant, response_id))
+        if raw is None:
+            return None
+        try:
+            replica = json.loads(raw).get("replica")
+        except (ValueError, AttributeError):
+            return None  # not ours to read: treated as unknown
+        return replica if isinstance(replica, str) else None
+
     async def _flush(self, request: LogicalRequest, entry: _Entry) -> None:
         async with entry.lock:
             if not entry.dirty:
@@ -378,16 +391,23 @@ class Journal:
         if content == entry.written and not ends:
             return  # nothing new to say
         value = _stamped(content)
-        also = [Delete(self._index_key(request))] if ends else []
+        lease = await self._leases.current()
+        also: list[Put | Delete] = [Delete(self._index_key(request))] if ends else []
+        stored = request.stored_response
+        if stored is not None and not entry.response_indexed:
+            # Which replica holds the response, for any gateway instance to send its follow-ups to; kept as
+            # long as the record.
+            holder = {"replica": stored[1], "request_id": request.request_id}
+            also.append(
+                Put(keys.stored_response(request.tenant, stored[0]), json.dumps(holder).encode(), lease)
+            )
         # While its index entry exists the record is ours; once another instance closed it (and removed the
         # entry), writing would reopen or contradict what it recorded.
         present = self._index_key(request) if entry.in_flight_indexed else None
         key = keys.request(request.tenant, request.request_id)
         started = time.perf_counter()
         try:
-            taken = not await self._store.put(
-                key, value, await self._leases.current(), also=also, present=present
-            )
+            taken = not await self._store.put(key, value, lease, also=also, present=present)
         except StoreUnavailable:
             self._written(kind, started, ok=False)
             raise
@@ -401,6 +421,7 @@ class Journal:
             )
             raise RecordTaken(f"request {request.request_id} was closed by another gateway instance")
         entry.written = content
+        entry.response_indexed = entry.response_indexed or stored is not None
         if ends:
             entry.in_flight_indexed = False
 

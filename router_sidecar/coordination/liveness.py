@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from router_sidecar.coordination.engine_http import EngineDown, http_get, split_hostport
 from router_sidecar.coordination.registry_store import Replica, ReplicaRegistry
-from router_sidecar.core.destinations import Candidate
+from router_sidecar.core.destinations import DRAINING, Candidate
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LivenessMonitor:
         """Every replica a new attempt could be sent to, as Envoy names it (ip:port), in a stable order, with
         why it may not be now (the request's destinations are chosen from these)."""
         found = [
-            Candidate(address, r.digest, "draining" if r.draining else "")
+            Candidate(address, r.digest, DRAINING if r.draining else "")
             for address, r in self.replicas.items()
         ]
         for name, failures in self._static_failures.items():

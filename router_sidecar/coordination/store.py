@@ -43,6 +43,7 @@ class keys:
     OWNERS_PREFIX = ROOT + "owners/"
     IN_FLIGHT_PREFIX = ROOT + "inflight/"
     REPLICAS_PREFIX = ROOT + "replicas/"
+    RESPONSES_PREFIX = ROOT + "responses/"
     # The per-deployment secret that keys credential digests (`coordination/tenancy.py`).
     TENANT_SECRET = ROOT + "config/tenant_secret"
 
@@ -97,6 +98,12 @@ class keys:
         instance, _, rest = key[len(keys.IN_FLIGHT_PREFIX) :].partition("/")
         tenant, _, request_id = rest.partition("/")
         return instance, tenant, request_id
+
+    @staticmethod
+    def stored_response(tenant: str, response_id: str) -> str:
+        """Which replica holds a Responses API response it stored (and which request made it); written with
+        the request's journal record, under the same retention lease."""
+        return f"{keys.RESPONSES_PREFIX}{tenant}/{response_id}"
 
     @staticmethod
     def replica(address: str) -> str:

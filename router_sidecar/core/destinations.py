@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PICKER_KEY", "Candidate", "Destinations", "choose", "picker_list"]
+__all__ = ["DRAINING", "PICKER_KEY", "Candidate", "Destinations", "choose", "holder_only", "picker_list"]
 
 # The endpoint picker protocol's key (GAIE 004-endpoint-picker-protocol) in dynamic metadata namespace
 # `envoy.lb`: the picker's list, which the gateway replaces with its order of attempts. (The replica that
@@ -28,6 +28,8 @@ MAX_PICKER_ENTRIES = 64
 MAX_PICKER_TEXT = 4096
 
 PICKER, GATEWAY, PICKER_THEN_GATEWAY = "picker", "gateway", "picker+gateway"
+HOLDER = "holder"  # the one replica that holds the state the request continues
+DRAINING = "draining"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ class Destinations:
         """Why an attempt that went to `address` went there."""
         if address in self.order:
             index = self.order.index(address)
+            if self.source == HOLDER:
+                return "holder of the stored response it continues"
             return f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
         return "envoy: past the end of the order, or a replica the order does not name"
 
@@ -101,3 +105,16 @@ def choose(
     source = PICKER_THEN_GATEWAY if from_picker and rest else PICKER if from_picker else GATEWAY
     order = tuple(from_picker + rest)
     return Destinations(order, source, tuple(picker), tuple(excluded.items()), from_picker=len(from_picker))
+
+
+def holder_only(
+    candidates: Sequence[Candidate], holder: str, picker: Sequence[str] = ()
+) -> Destinations | str:
+    """A request on state that one replica holds (a stored response): that replica only, or why it cannot
+    be. A draining replica still serves what it holds; a picker's list does not apply."""
+    candidate = next((c for c in candidates if c.address == holder), None)
+    if candidate is None:
+        return "is no longer a replica of this gateway (lost, or removed)"
+    if candidate.why_not and candidate.why_not != DRAINING:
+        return f"is {candidate.why_not}"
+    return Destinations((holder,), HOLDER, tuple(picker))

@@ -154,19 +154,30 @@ def classify_messages(name: bytes | None, buf: bytes, p: int, e: int) -> _Classi
 # --- what the client holds: the notes a terminal event needs ----------------------------------------------
 
 _SEQUENCE_RE = re.compile(rb'"(?<!\\")sequence_number"\s*:\s*(\d{1,18})(?!\d)')
+# A non-stream Responses body starts with its id (vLLM and SGLang write `id` first).
+_BODY_ID_RE = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([A-Za-z0-9._:~-]{1,200})"')
 
 
 class StreamNotes:
     """What has gone to the client that our terminal event must continue: the Responses API's response id,
     its creation time and model (from `response.created`) and the last sequence number."""
 
-    __slots__ = ("created_at", "model", "response_id", "sequence")
+    __slots__ = ("body_seen", "created_at", "model", "response_id", "sequence")
 
     def __init__(self) -> None:
         self.response_id: str | None = None
         self.created_at: int | None = None
         self.model: str | None = None
         self.sequence: int | None = None
+        self.body_seen = False  # a non-stream body's first chunk was read (its id is read there only)
+
+    def see_body(self, chunk: bytes) -> None:
+        """A chunk of a non-stream answer: the response id is its first key."""
+        if not self.body_seen:
+            self.body_seen = True
+            m = _BODY_ID_RE.match(chunk[:512])
+            if m:
+                self.response_id = m.group(1).decode()
 
     def see(self, event: SseEvent) -> None:
         raw = event.raw

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -50,6 +51,19 @@ class ParsedRequest:
     # Why the request refers to state that lives on one replica (a Responses `previous_response_id`,
     # `background`): it may not be re-run on another replica. None: any compatible replica may serve it.
     stateful: str | None = None
+    # Responses: the stored response it continues (served only by the replica holding it), and whether its
+    # own response is to be stored (`store`, true unless the client says false) where it is made.
+    previous_response_id: str | None = None
+    stores_response: bool = False
+
+
+# Request ids, idempotency keys and stored response ids: what may appear in an etcd key segment and a header.
+_KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
+
+
+def valid_key(value: str) -> bool:
+    """A request id, idempotency key or response id the gateway accepts: 1-200 of A-Z a-z 0-9 . _ : ~ -"""
+    return _KEY.fullmatch(value) is not None
 
 
 # vLLM answers with exception class names in "type"; the gateway does the same.
@@ -242,6 +256,8 @@ def parse_request(
         )
 
     stateful: str | None = None
+    previous: str | None = None
+    stores_response = False
     if kind in (RouteKind.CHAT, RouteKind.MESSAGES):
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -267,8 +283,16 @@ def parse_request(
             _reject(
                 400, "invalid_parameter", "`previous_response_id` must be a string.", "previous_response_id"
             )
+        if previous and not valid_key(previous):
+            _reject(
+                400,
+                "invalid_parameter",
+                "`previous_response_id` must be a response id (1-200 of A-Z a-z 0-9 . _ : ~ -).",
+                "previous_response_id",
+            )
+        stores_response = req.get("store") is not False
         if previous:
-            stateful = f"it continues the stored response {previous[:64]} (previous_response_id)"
+            stateful = f"it continues the stored response {previous} (previous_response_id)"
         elif req.get("background") is True:
             stateful = "it runs in the background on the replica that stores it (background: true)"
         prompts = 1
@@ -336,6 +360,8 @@ def parse_request(
         estimated_prompt_tokens=estimate_prompt_tokens(kind, req),
         input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
         stateful=stateful,
+        previous_response_id=previous or None,
+        stores_response=stores_response,
     )
 
 

@@ -582,6 +582,15 @@ class LogicalRequest:
         return last if last is not None and last.state is AttemptState.RELEASED else None
 
     @property
+    def stored_response(self) -> tuple[str, str] | None:
+        """(response id, replica): the Responses API response the client got, stored by the replica that
+        made it (`store` not false). Follow-ups naming it go there only (docs/design.md#stored-responses)."""
+        notes, publisher = self._notes, self.publisher
+        if notes is None or notes.response_id is None or publisher is None or not self.parsed.stores_response:
+            return None
+        return notes.response_id, publisher.replica
+
+    @property
     def finish_reason(self) -> str | None:
         """The finish_reason of the last event forwarded that had one (None: no such event went out)."""
         return self._response.finish_reason
@@ -1183,6 +1192,8 @@ class LogicalRequest:
         if ok:
             r.usage_tail.feed(e.chunk)
             r.abort_scan.feed(e.chunk)
+            if self._notes is not None:
+                self._notes.see_body(e.chunk)
         if e.end_of_stream:
             r.ended = True
             if not ok:

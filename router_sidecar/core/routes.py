@@ -9,6 +9,7 @@ canonicalises once more here, and a request whose canonical path is one of ours 
     inference  POST /v1/chat/completions, /v1/completions,           → admitted, held, journaled
                /v1/responses (OpenAI), /v1/messages (Anthropic)        (docs/design.md#the-streaming-apis)
     tool call  /tools/NAME/... with a method other than GET/HEAD    → idempotency by key
+    stored     /v1/responses/{id}[/...] (retrieve, resume, cancel…)  → sent to the replica holding it
     look-up    GET /v1/requests/{request_id}                         → answered from the journal
     health     GET /livez, GET /readyz                               → answered by the sidecar (probes)
     rejected   another method on an inference or look-up path        → 405 with Allow
@@ -21,7 +22,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from router_sidecar.core.openai_api import RouteKind
+from router_sidecar.core.openai_api import RouteKind, valid_key
 
 __all__ = [
     "HEALTH_PATHS",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 LOOKUP_PREFIX = "/v1/requests/"
+STORED_RESPONSES_PREFIX = "/v1/responses/"
 TOOLS_PREFIX = "/tools/"
 # Probes of the whole gateway (Envoy + sidecar), the Kubernetes convention's names.
 
@@ -52,8 +54,6 @@ _INFERENCE = {
     "/v1/responses": RouteKind.RESPONSES,
     "/v1/messages": RouteKind.MESSAGES,
 }
-# Request ids and idempotency keys: what may appear in an etcd key segment and a header value.
-_KEY = re.compile(r"[A-Za-z0-9._:~-]{1,200}")
 _UNRESERVED_ESCAPE = re.compile(r"%(2[dDeE]|3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]|5[fF]|7[eE])")
 
 
@@ -61,6 +61,7 @@ class RouteClass(enum.Enum):
     INFERENCE = "inference"
     TOOL_CALL = "tool_call"
     LOOKUP = "lookup"
+    STORED_RESPONSE = "stored_response"
     HEALTH = "health"
     REJECTED = "rejected"
     PASS_THROUGH = "pass_through"
@@ -73,16 +74,12 @@ class Route:
     rewrite_path: str | None = None
     api: RouteKind | None = None  # inference: which API
     request_id: str | None = None  # look-up: the id asked for (None: not a valid id → 404)
+    response_id: str | None = None  # stored response: the Responses API id it names
     probe: Probe | None = None  # health: which probe
     status: int = 0  # rejected: the answer
     code: str = ""
     message: str = ""
     allow: str = ""
-
-
-def valid_key(value: str) -> bool:
-    """A request id or idempotency key the gateway accepts: 1-200 of A-Z a-z 0-9 . _ : ~ -"""
-    return _KEY.fullmatch(value) is not None
 
 
 def canonical_path(path: str) -> str:
@@ -115,6 +112,10 @@ def classify(method: str, raw_path: str) -> Route:
             return _method_not_allowed(canonical, "GET")
         request_id = canonical[len(LOOKUP_PREFIX) :]
         return Route(RouteClass.LOOKUP, request_id=request_id if valid_key(request_id) else None)
+    if canonical.startswith(STORED_RESPONSES_PREFIX):
+        response_id = canonical[len(STORED_RESPONSES_PREFIX) :].partition("/")[0]
+        if valid_key(response_id):
+            return Route(RouteClass.STORED_RESPONSE, rewrite, response_id=response_id)
     probe = HEALTH_PATHS.get(canonical)
     if probe is not None:
         if method not in ("GET", "HEAD"):

@@ -170,6 +170,11 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
         tool_calls_not_listed=request.tool_calls_dropped or None,
         envoy_attempts=request.envoy_attempts,
         destinations=destinations_record(request.destinations),
+        stored_response=(
+            rec.StoredResponseRecord(id=stored[0], replica=stored[1])
+            if (stored := request.stored_response) is not None
+            else None
+        ),
     )
 
 

@@ -21,10 +21,11 @@ import time
 import grpc
 from google.protobuf.struct_pb2 import Struct
 
+from router_sidecar.coordination.registry_store import Replica
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
-from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, picker_list
+from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, holder_only, picker_list
 from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
@@ -182,6 +183,45 @@ class Inference(PassThrough):
                 extra_headers=[("x-request-id", request_id)],
             )
         request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
+        destinations = await self._destinations(request)
+        if isinstance(destinations, m.ProcessingResponse):
+            return destinations
+        live = services.registry.add(request, services)
+        if live is None:
+            return _in_flight(request_id, self._shape)
+        live.client = self
+        self._live = live
+        services.telemetry.admitted(request, self._trace_context)
+        logs.bind(request_id=request_id)
+        services.journal.begin(request)
+        # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it); the
+        # machine holds back whatever must wait for it.
+        decision = await self._decided(r.Admitted(destinations))
+        if isinstance(decision, r.RejectRequest):
+            # A duplicate refused before forwarding: nothing of this run was journaled, nothing is served.
+            self._live = None
+            services.registry.remove(live)
+            services.journal.release(request)
+            return self._immediate(request, decision.error)
+        logs.bind(trace_id=services.telemetry.trace_id(request))
+        return m.request_body_reply(dynamic_metadata=_lb_metadata(request, destinations))
+
+    async def _destinations(self, request: r.LogicalRequest) -> Destinations | m.ProcessingResponse:
+        """Where the request's attempts go (core/destinations.py), its compatibility pin first; or the error
+        that says why it can go nowhere."""
+        services, parsed, request_id = self._services, request.parsed, request.request_id
+        candidates = services.liveness.candidates()
+        previous = parsed.previous_response_id
+        holder = await _response_holder(services, self._tenant, previous) if previous else None
+        if holder is not None:
+            # State one replica holds: there or nowhere (its retries are blocked by the machine).
+            only = holder_only(candidates, holder, self._picker)
+            if isinstance(only, str):
+                return _holder_unavailable(previous, holder, only, request_id, self._shape)
+            replica = services.liveness.replicas.get(holder)
+            if replica is not None:
+                _pin(request, replica)  # its group, should the order run out
+            return only
         if services.discovery:
             pinned = choose_pin(services.liveness.routable, parsed.model)
             if pinned is None:
@@ -202,32 +242,9 @@ class Inference(PassThrough):
                     shape=self._shape,
                 )
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
-            request.pin(pinned.digest, pinned.fingerprint.weights_revision or pinned.fingerprint.model_id)
-        destinations = choose(
-            services.liveness.candidates(),
-            pinned=request.fingerprint_digest,
-            picker=self._picker,
-            turn=next(services.turns),
-        )
-        live = services.registry.add(request, services)
-        if live is None:
-            return _in_flight(request_id, self._shape)
-        live.client = self
-        self._live = live
-        services.telemetry.admitted(request, self._trace_context)
-        logs.bind(request_id=request_id)
-        services.journal.begin(request)
-        # The claim runs beside the first attempt (policy journal.claim_before_forwarding: before it); the
-        # machine holds back whatever must wait for it.
-        decision = await self._decided(r.Admitted(destinations))
-        if isinstance(decision, r.RejectRequest):
-            # A duplicate refused before forwarding: nothing of this run was journaled, nothing is served.
-            self._live = None
-            services.registry.remove(live)
-            services.journal.release(request)
-            return self._immediate(request, decision.error)
-        logs.bind(trace_id=services.telemetry.trace_id(request))
-        return m.request_body_reply(dynamic_metadata=_lb_metadata(request, destinations))
+            _pin(request, pinned)
+        turn = next(services.turns)
+        return choose(candidates, pinned=request.fingerprint_digest, picker=self._picker, turn=turn)
 
     async def _decided(self, event: r.Input) -> r.Decision:
         """Feed `event` and wait for the machine's reply to the message it came with (now, or once what it
@@ -380,6 +397,37 @@ class Inference(PassThrough):
             finally:
                 services.registry.remove(live)
                 services.journal.release(request)
+
+
+async def _response_holder(services: Services, tenant: str, response_id: str) -> str | None:
+    """The replica that holds a stored response of this tenant, if the journal knows it. Unknown (etcd
+    away, or made before the gateway recorded holders): the request goes as any other."""
+    try:
+        return await services.journal.response_holder(tenant, response_id)
+    except StoreUnavailable as exc:
+        log.warning("stored response %s: its holder is unknown (etcd: %s)", response_id, exc)
+        return None
+
+
+def _holder_unavailable(
+    response_id: str | None,
+    holder: str,
+    why: str,
+    request_id: str | None,
+    shape: ErrorShape = ErrorShape.OPENAI,
+) -> m.ProcessingResponse:
+    return _error(
+        503,
+        "stored_response_unavailable",
+        f"the response {response_id} is stored on replica {holder}, which {why}; it exists nowhere else. "
+        "Try again if that replica may come back, or start over without it",
+        request_id,
+        shape=shape,
+    )
+
+
+def _pin(request: r.LogicalRequest, replica: Replica) -> None:
+    request.pin(replica.digest, replica.fingerprint.weights_revision or replica.fingerprint.model_id)
 
 
 def _lb_metadata(request: r.LogicalRequest, destinations: Destinations) -> Struct | None:
@@ -539,6 +587,9 @@ class DownstreamStream:
             # request named by the key), never as the caller claims it.
             vouched = [("x-attempt-id", tool.attempt_id)] if tool.attempt_id else []
             return ToolCall(tool), m.request_headers_reply(m.header_mutation([*rewrite, *vouched], strip))
+        if route.route_class is RouteClass.STORED_RESPONSE:
+            assert route.response_id is not None
+            return PassThrough(), await self._to_holder(route.response_id, tenant, rewrite, strip)
         if route.route_class is RouteClass.PASS_THROUGH:
             return PassThrough(), m.request_headers_reply(m.header_mutation(rewrite, strip))
         # Inference.
@@ -573,6 +624,20 @@ class DownstreamStream:
         reply = m.request_headers_reply(m.header_mutation([*rewrite, ("x-request-id", request_id)], strip))
         trace_context = {k: headers[k] for k in TRACE_CONTEXT_HEADERS if k in headers}
         return Inference(services, writer, route, request_id, tenant, policy, trace_context, picker), reply
+
+    async def _to_holder(
+        self, response_id: str, tenant: str, rewrite: list[tuple[str, str]], strip: list[str]
+    ) -> m.ProcessingResponse:
+        """A request on a stored response (retrieve, resume its stream, cancel, delete) goes to the replica
+        that holds it, as far as the journal knows; else as any other request."""
+        mutation = m.header_mutation(rewrite, strip)
+        holder = await _response_holder(self._services, tenant, response_id)
+        if holder is None:
+            return m.request_headers_reply(mutation)
+        only = holder_only(self._services.liveness.candidates(), holder)
+        if isinstance(only, str):
+            return _holder_unavailable(response_id, holder, only, None)
+        return m.request_headers_reply(mutation, m.lb_metadata({PICKER_KEY: holder}))
 
     async def _probe(self, probe: Probe | None) -> m.ProcessingResponse:
         """Answered here, not by Envoy: a probe through the listener proves Envoy, the ext_proc path and

@@ -78,8 +78,13 @@ def _common(mutation: ep.HeaderMutation | None) -> ep.CommonResponse:
     return ep.CommonResponse(header_mutation=mutation) if mutation is not None else ep.CommonResponse()
 
 
-def request_headers_reply(mutation: ep.HeaderMutation | None = None) -> ProcessingResponse:
-    return ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(mutation)))
+def request_headers_reply(
+    mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
+) -> ProcessingResponse:
+    reply = ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(mutation)))
+    if dynamic_metadata is not None:
+        reply.dynamic_metadata.CopyFrom(dynamic_metadata)
+    return reply
 
 
 def request_body_reply(

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JournalRecord(_message.Message):
-    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts", "destinations")
+    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts", "destinations", "stored_response")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class JournalRecord(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     ENVOY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    STORED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: str
     outcome: str
@@ -54,7 +55,16 @@ class JournalRecord(_message.Message):
     updated_at: float
     envoy_attempts: int
     destinations: DestinationsRecord
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ..., destinations: _Optional[_Union[DestinationsRecord, _Mapping]] = ...) -> None: ...
+    stored_response: StoredResponseRecord
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ..., destinations: _Optional[_Union[DestinationsRecord, _Mapping]] = ..., stored_response: _Optional[_Union[StoredResponseRecord, _Mapping]] = ...) -> None: ...
+
+class StoredResponseRecord(_message.Message):
+    __slots__ = ("id", "replica")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    replica: str
+    def __init__(self, id: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class DestinationsRecord(_message.Message):
     __slots__ = ("source", "order", "picker", "excluded")

@@ -3,6 +3,7 @@ and the journal's record of it (sans-IO: no servers)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -14,8 +15,12 @@ from router_sidecar.core.destinations import (
     Candidate,
     Destinations,
     choose,
+    holder_only,
     picker_list,
 )
+from router_sidecar.core.dialects import StreamNotes
+from router_sidecar.core.openai_api import ParsedRequest, RequestRejected, RouteKind, parse_request
+from router_sidecar.core.routes import RouteClass, classify
 from tests.unit.test_request import DEFAULT_POLICY, RID, parsed
 
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
@@ -150,3 +155,73 @@ def test_without_destinations_the_record_has_none() -> None:
     request.handle(r.Admitted())
     record = views.journal_view(request)
     assert "destinations" not in record
+
+
+# --- state one replica holds -------------------------------------------------------------------------------
+
+
+def test_a_request_on_stored_state_goes_to_its_holder_only_even_draining() -> None:
+    candidates = [
+        Candidate(A),
+        Candidate(B, None, "draining"),
+        Candidate(C, None, "failing its health checks"),
+    ]
+    only = holder_only(candidates, A, picker=[B])
+    assert isinstance(only, Destinations) and only.order == (A,) and only.source == "holder"
+    assert only.why(A) == "holder of the stored response it continues"
+    assert holder_only(candidates, B).order == (B,)  # type: ignore[union-attr]
+    assert holder_only(candidates, C) == "is failing its health checks"
+    assert holder_only(candidates, D) == "is no longer a replica of this gateway (lost, or removed)"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "response_id"),
+    [
+        ("GET", "/v1/responses/resp_1", "resp_1"),
+        ("GET", "/v1/responses/resp_1?stream=true&starting_after=4", "resp_1"),
+        ("POST", "/v1/responses/resp_1/cancel", "resp_1"),
+        ("DELETE", "/v1/responses//resp_1/", "resp_1"),
+        ("GET", "/v1/responses/resp_1/input_items", "resp_1"),
+    ],
+)
+def test_requests_on_a_stored_response_are_routed_by_its_id(method: str, path: str, response_id: str) -> None:
+    route = classify(method, path)
+    assert route.route_class is RouteClass.STORED_RESPONSE and route.response_id == response_id
+
+
+def test_an_id_that_cannot_be_a_key_is_passed_through() -> None:
+    assert classify("GET", "/v1/responses/" + "x" * 201).route_class is RouteClass.PASS_THROUGH
+    assert classify("GET", "/v1/responses/a%2Fb").route_class is RouteClass.PASS_THROUGH
+
+
+def _responses(**extra: object) -> bytes:
+    return json.dumps({"model": "tiny", "input": "hi", **extra}).encode()
+
+
+def parse(body: bytes) -> ParsedRequest:
+    return parse_request(RouteKind.RESPONSES, body, max_body_bytes=1 << 20)
+
+
+def test_previous_response_id_is_parsed_and_bounded() -> None:
+    parsed = parse_request(
+        RouteKind.RESPONSES, _responses(previous_response_id="resp_9"), max_body_bytes=1 << 20
+    )
+    assert parsed.previous_response_id == "resp_9" and parsed.stateful and parsed.stores_response
+    assert not parse_request(
+        RouteKind.RESPONSES, _responses(store=False), max_body_bytes=1 << 20
+    ).stores_response
+    for bad in ("a/b", "x" * 201, "with space"):
+        with pytest.raises(RequestRejected) as rejected:
+            parse(_responses(previous_response_id=bad))
+        assert rejected.value.param == "previous_response_id"
+
+
+def test_a_non_stream_bodys_id_is_read_from_its_first_chunk_only() -> None:
+    notes = StreamNotes()
+    notes.see_body(b' {"id": "resp_abc", "object": "response"')
+    notes.see_body(b'{"id": "call_1"}')
+    assert notes.response_id == "resp_abc"
+    late = StreamNotes()
+    late.see_body(b'{"object": "response", "id": "resp_x"}')  # not first: not trusted
+    late.see_body(b'{"id": "resp_y"}')
+    assert late.response_id is None

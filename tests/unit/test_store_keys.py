@@ -16,6 +16,7 @@ def test_every_key_is_the_previous_releases() -> None:
     assert keys.owner("gw:8080~a1b2c3d4") == "/router-sidecar/owners/gw:8080~a1b2c3d4"
     assert keys.in_flight("gw~1", "t1", "req-1") == "/router-sidecar/inflight/gw~1/t1/req-1"
     assert keys.replica("127.0.0.1:8000") == "/router-sidecar/replicas/127.0.0.1:8000"
+    assert keys.stored_response("t1", "resp_1") == "/router-sidecar/responses/t1/resp_1"
     assert keys.TENANT_SECRET == SECRET_KEY == "/router-sidecar/config/tenant_secret"
 
 
@@ -27,6 +28,7 @@ def test_every_prefix_is_the_previous_releases() -> None:
     assert keys.OWNERS_PREFIX == "/router-sidecar/owners/"
     assert keys.IN_FLIGHT_PREFIX == "/router-sidecar/inflight/"
     assert keys.REPLICAS_PREFIX == "/router-sidecar/replicas/"
+    assert keys.RESPONSES_PREFIX == "/router-sidecar/responses/"
     assert keys.in_flight_of("gw~1") == "/router-sidecar/inflight/gw~1/"
 
 
