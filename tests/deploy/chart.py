@@ -62,11 +62,15 @@ def run_helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]
 
 
 def template(
-    *values: str, sets: tuple[str, ...] = (), check: bool = True
+    *values: str,
+    sets: tuple[str, ...] = (),
+    check: bool = True,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart as release RELEASE in NAMESPACE with these values files (names under
-    deploy/helm/, or paths) and --set expressions."""
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
+    """`helm template` of the chart (release RELEASE in NAMESPACE unless told otherwise) with these values
+    files (names under deploy/helm/, or paths) and --set expressions."""
+    args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
     for v in values:
         path = Path(v) if "/" in v else HELM_DIR / v
         args += ["--values", str(path)]
@@ -95,10 +99,12 @@ def without_helm_lines(doc: str, *, checksums: bool = False) -> str:
     )
 
 
-def render(*values: str, sets: tuple[str, ...] = ()) -> list[Obj]:
-    return [
-        doc for _, text in documents(template(*values, sets=sets).stdout) for doc in [yaml.safe_load(text)]
-    ]
+def render(
+    *values: str, sets: tuple[str, ...] = (), release: str = RELEASE, namespace: str = NAMESPACE
+) -> list[Obj]:
+    """The objects of a render, in helm's order."""
+    text = template(*values, sets=sets, release=release, namespace=namespace).stdout
+    return [yaml.safe_load(doc) for _, doc in documents(text)]
 
 
 def render_any(name: str) -> list[Obj]:
