@@ -18,6 +18,8 @@ import yaml
 from router_sidecar.core.fingerprint import load_fingerprint_file
 from router_sidecar.core.policy import load_policy
 from tests.deploy import crd
+from tests.deploy import test_cli_agreement as cli_agreement
+from tests.deploy import test_manifests as manifests
 from tests.deploy.chart import (
     CHART,
     HELM_DIR,
@@ -31,11 +33,7 @@ from tests.deploy.chart import (
     template,
 )
 from tests.deploy.kube import REPO, Obj, container, containers, find, pod_specs, pod_template
-from tests.deploy.test_manifests import (
-    KUBERNETES_VERSION,
-    test_etcd_defrag_cronjob,
-    test_etcd_statefulset,
-)
+from tests.deploy.test_manifests import KUBERNETES_VERSION
 
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 
@@ -233,11 +231,11 @@ def test_etcd_member_count(members: int) -> None:
     sts = find(objects, "StatefulSet", f"{RELEASE}-etcd")
     assert sts["spec"]["replicas"] == members
     if members >= 3:
-        test_etcd_statefulset({"x": objects}, "x")
+        manifests.test_etcd_statefulset({"x": objects}, "x")
     (etcd,) = sts["spec"]["template"]["spec"]["containers"]
     cluster = next(a for a in etcd["args"] if a.startswith("--initial-cluster="))
     assert cluster.count("=http://") == members
-    test_etcd_defrag_cronjob({"x": objects}, "x")
+    manifests.test_etcd_defrag_cronjob({"x": objects}, "x")
 
 
 def test_etcd_persistence_and_quota() -> None:
@@ -454,3 +452,14 @@ def test_chart_metadata() -> None:
         [helm(), "show", "values", str(CHART)], capture_output=True, text=True, timeout=60, check=True
     )
     assert yaml.safe_load(result.stdout) == VALUES
+
+
+def test_tools_reach_envoy_config(tmp_path: Any) -> None:
+    """gateway.tools: one --tool NAME=HOST:PORT each on the init container; the command parses and the
+    Envoy config it renders validates."""
+    objects = render(sets=("gateway.tools.search=search.tools.svc:8080", "gateway.tools.calc=10.0.0.9:9000"))
+    init = container(_gateway(objects), "envoy-config")
+    tools = [init["args"][i + 1] for i, a in enumerate(init["args"]) if a == "--tool"]
+    assert tools == ["calc=10.0.0.9:9000", "search=search.tools.svc:8080"]
+    assert cli_agreement.parse(init["args"]).tool
+    cli_agreement.test_gateway_envoy_config_validates({"x": objects}, "x", tmp_path)
