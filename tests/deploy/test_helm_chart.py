@@ -463,3 +463,13 @@ def test_tools_reach_envoy_config(tmp_path: Any) -> None:
     assert tools == ["calc=10.0.0.9:9000", "search=search.tools.svc:8080"]
     assert cli_agreement.parse(init["args"]).tool
     cli_agreement.test_gateway_envoy_config_validates({"x": objects}, "x", tmp_path)
+
+
+@pytest.mark.parametrize("values", [None, *VALUES_FILES])
+def test_install_dry_run_prints_the_notes(values: str | None) -> None:
+    """`helm install --dry-run=client` (no cluster) renders NOTES.txt too, which `helm template` skips."""
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    if values:
+        args += ["--values", str(HELM_DIR / values)]
+    notes = run_helm(*args).stdout.partition("\nNOTES:\n")[2]
+    assert f"svc/{RELEASE}-gateway" in notes and "router-sidecar trace" in notes
