@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 TOOLS=.tools
+# helm (tests/deploy's chart checks): its own script, pinned by version and sha256, checked on every run.
+bash scripts/setup_helm.sh
 stamp=$VENV/.setup-stamp
 want=$(cat pyproject.toml testbed/pyproject.toml requirements.lock requirements-tools.lock scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$TOOLS/envoy/bin/envoy" ] && command -v etcd >/dev/null 2>&1; then

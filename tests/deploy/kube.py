@@ -15,12 +15,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
-# Every directory a user may `kubectl apply -k`: the base alone, each overlay, the Envoy Gateway example.
+# Every directory a user may `kubectl apply -k`: the base alone, each overlay, the Gateway API Inference
+# Extension example, the Envoy Gateway example.
 KUSTOMIZATIONS = (
     "base",
     "overlays/etcd-statefulset",
     "overlays/etcd-external",
     "overlays/replica-front",
+    "examples/inferencepool",
     "envoy-gateway",
 )
 

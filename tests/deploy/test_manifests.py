@@ -1,4 +1,5 @@
-"""deploy/: every kustomization renders, every object passes the Kubernetes 1.32 schemas (strict), and the
+"""deploy/: every kustomization and every render of the Helm chart (its defaults and each values file beside
+it) renders, every object passes the Kubernetes 1.32 schemas (strict; custom resources their CRDs'), and the
 objects agree with each other (selectors, ports, ConfigMaps, env references, security settings)."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import pytest
 
 from router_sidecar.core.fingerprint import load_fingerprint_file
 from router_sidecar.core.policy import load_policy
+from tests.deploy import crd
+from tests.deploy.chart import HELM_RENDERS, RENDERS, values_of
 from tests.deploy.kube import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -25,8 +28,8 @@ from tests.deploy.kube import (
 
 KUBERNETES_VERSION = "1.32.0"
 
-# Custom resources have no schema in kubernetes-validate; they are checked in test_envoy_gateway.py. Any
-# other kind must validate.
+# Custom resources have no schema in kubernetes-validate: those with a vendored CRD (tests/deploy/crds/) are
+# validated against it; Envoy Gateway's are checked in test_envoy_gateway.py. Any other kind must validate.
 CUSTOM_KINDS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
@@ -46,13 +49,27 @@ def test_every_kustomization_is_tested() -> None:
     assert on_disk == set(KUSTOMIZATIONS)
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+# Renders of our own objects (the Envoy Gateway example attaches to the user's Gateway, in their namespaces).
+OWN = [r for r in RENDERS if r != "envoy-gateway"]
+# Renders with the etcd StatefulSet: the overlays that add its component, and the chart unless told not to.
+WITH_ETCD = [
+    "overlays/etcd-statefulset",
+    "overlays/replica-front",
+    "examples/inferencepool",
+    *(r for r in HELM_RENDERS if values_of(r).get("etcd", {}).get("enabled", True)),  # type: ignore[union-attr]
+]
+
+
+@pytest.mark.parametrize("kustomization", RENDERS)
 def test_schemas_strict(rendered: dict[str, list[Obj]], kustomization: str) -> None:
     objects = rendered[kustomization]
     assert objects, f"deploy/{kustomization} rendered nothing"
     errors = []
     for obj in objects:
         if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+            continue
+        if crd.known(obj):
+            errors += [f"{obj['kind']}/{obj['metadata']['name']} at {e}" for e in crd.validate(obj)]
             continue
         try:
             # The version actually used must be 1.32 itself, not an older fallback.
@@ -78,33 +95,34 @@ def test_validator_is_strict() -> None:
         kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
 
 
-def test_recommended_labels(rendered: dict[str, list[Obj]]) -> None:
-    for name, objects in rendered.items():
-        for obj in objects:
-            if obj["kind"] == "Namespace":
-                continue
-            labels = obj["metadata"].get("labels", {})
-            missing = [k for k in LABELS if k not in labels]
-            assert not missing, f"{name}: {obj['kind']}/{obj['metadata']['name']} lacks {missing}"
-            assert labels["app.kubernetes.io/part-of"] == "router-sidecar"
-        for workload, _ in pod_specs(objects):
-            template_labels = pod_template(workload)["metadata"]["labels"]
-            assert all(k in template_labels for k in LABELS), workload["metadata"]["name"]
+@pytest.mark.parametrize("name", RENDERS)
+def test_recommended_labels(rendered: dict[str, list[Obj]], name: str) -> None:
+    objects = rendered[name]
+    for obj in objects:
+        if obj["kind"] == "Namespace":
+            continue
+        labels = obj["metadata"].get("labels", {})
+        missing = [k for k in LABELS if k not in labels]
+        assert not missing, f"{name}: {obj['kind']}/{obj['metadata']['name']} lacks {missing}"
+        assert labels["app.kubernetes.io/part-of"] == "router-sidecar"
+    for workload, _ in pod_specs(objects):
+        template_labels = pod_template(workload)["metadata"]["labels"]
+        assert all(k in template_labels for k in LABELS), workload["metadata"]["name"]
 
 
 CLUSTER_SCOPED = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding", "GatewayClass"})
 
 
-def test_every_namespaced_object_is_in_the_namespace(rendered: dict[str, list[Obj]]) -> None:
+@pytest.mark.parametrize("name", OWN)
+def test_every_namespaced_object_is_in_the_namespace(rendered: dict[str, list[Obj]], name: str) -> None:
     """A component's objects get no namespace from the base's kustomization: without the overlay's own,
-    `kubectl apply -k` would put etcd in whatever namespace is current, where the gateways never find it."""
-    for name, objects in rendered.items():
-        if name == "envoy-gateway":
-            continue  # attaches to the user's Gateway, in the user's namespaces
-        for obj in objects:
-            where = obj["metadata"].get("namespace")
-            what = f"{name}: {obj['kind']}/{obj['metadata']['name']} in {where}"
-            assert obj["kind"] in CLUSTER_SCOPED or where == "router-sidecar", what
+    `kubectl apply -k` would put etcd in whatever namespace is current, where the gateways never find it.
+    The chart's objects name the release's namespace (`helm template | kubectl apply` keeps them there)."""
+    objects = rendered[name]
+    for obj in objects:
+        where = obj["metadata"].get("namespace")
+        what = f"{name}: {obj['kind']}/{obj['metadata']['name']} in {where}"
+        assert obj["kind"] in CLUSTER_SCOPED or where == "router-sidecar", what
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -115,7 +133,7 @@ def _pod_labels(objects: list[Obj]) -> list[tuple[Obj, dict[str, str]]]:
     return [(w, pod_template(w)["metadata"]["labels"]) for w, _ in pod_specs(objects)]
 
 
-@pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k != "envoy-gateway"])
+@pytest.mark.parametrize("kustomization", OWN)
 def test_selectors_and_ports_agree(rendered: dict[str, list[Obj]], kustomization: str) -> None:
     objects = rendered[kustomization]
     pods = _pod_labels(objects)
@@ -146,7 +164,7 @@ def _config_maps(objects: list[Obj]) -> dict[str, Obj]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
 
 
-@pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k != "envoy-gateway"])
+@pytest.mark.parametrize("kustomization", OWN)
 def test_references_resolve(rendered: dict[str, list[Obj]], kustomization: str) -> None:
     """ConfigMaps named by volumes and env exist (kustomize rewrote the hashed names), and every $(VAR) in a
     command line is defined in that container's env: Kubernetes leaves an unknown one as literal text."""
@@ -176,7 +194,7 @@ _RESTRICTED = {
 }
 
 
-@pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k != "envoy-gateway"])
+@pytest.mark.parametrize("kustomization", OWN)
 def test_pods_are_locked_down(rendered: dict[str, list[Obj]], kustomization: str) -> None:
     for workload, spec in pod_specs(rendered[kustomization]):
         name = workload["metadata"]["name"]
@@ -188,16 +206,17 @@ def test_pods_are_locked_down(rendered: dict[str, list[Obj]], kustomization: str
         for c in containers(spec):
             assert c["securityContext"] == _RESTRICTED, f"{name}/{c['name']}"
             assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], f"{name}/{c['name']}"
-            # A full registry path: the kustomize `images:` override was applied.
-            assert c["image"].count("/") >= 2 and ":" in c["image"], f"{name}/{c['name']}: {c['image']}"
+            # A full registry path: the kustomize `images:` override was applied (values-kustomize.yaml
+            # names them bare for that override to replace).
+            if kustomization != "helm/values-kustomize.yaml":
+                assert c["image"].count("/") >= 2 and ":" in c["image"], f"{name}/{c['name']}: {c['image']}"
 
 
-def test_gateway_pod_wiring(rendered: dict[str, list[Obj]]) -> None:
+@pytest.mark.parametrize("name", ["base", "examples/inferencepool", *HELM_RENDERS])
+def test_gateway_pod_wiring(rendered: dict[str, list[Obj]], name: str) -> None:
     """The init container, the native sidecar and Envoy agree on the sockets, the rendered config's path and
     the listener port; the sidecar gates Envoy's start with a startupProbe; probes hit the right paths."""
-    _, spec = next(
-        (w, s) for w, s in pod_specs(rendered["base"]) if w["metadata"]["name"].endswith("gateway")
-    )
+    _, spec = next((w, s) for w, s in pod_specs(rendered[name]) if w["metadata"]["name"].endswith("gateway"))
     init = container(spec, "envoy-config")
     sidecar = container(spec, "sidecar")
     envoy = container(spec, "envoy")
@@ -240,11 +259,12 @@ def _etcd_endpoint(objects: list[Obj]) -> str:
     return str(cm["data"]["ROUTER_SIDECAR_ETCD"])
 
 
-def test_etcd_statefulset(rendered: dict[str, list[Obj]]) -> None:
-    objects = rendered["overlays/etcd-statefulset"]
+@pytest.mark.parametrize("name", WITH_ETCD)
+def test_etcd_statefulset(rendered: dict[str, list[Obj]], name: str) -> None:
+    objects = rendered[name]
     sts = find(objects, "StatefulSet", "router-sidecar-etcd")
     replicas = sts["spec"]["replicas"]
-    assert replicas == 3
+    assert replicas >= 3 and replicas % 2 == 1, "an odd member count: quorum survives (n - 1) / 2 down"
     (etcd,) = sts["spec"]["template"]["spec"]["containers"]
     flags = dict(a.removeprefix("--").split("=", 1) for a in etcd["args"])
     assert flags["auto-compaction-mode"] == "periodic" and flags["auto-compaction-retention"]
@@ -284,10 +304,11 @@ def _etcd_admitted(objects: list[Obj]) -> dict[int, set[str]]:
     return admitted
 
 
+@pytest.mark.parametrize("name", WITH_ETCD)
 def test_etcd_network_policy_admits_only_gateways_agents_defrag_and_peers(
-    rendered: dict[str, list[Obj]],
+    rendered: dict[str, list[Obj]], name: str
 ) -> None:
-    admitted = _etcd_admitted(rendered["overlays/etcd-statefulset"])
+    admitted = _etcd_admitted(rendered[name])
     assert admitted == {
         2379: {
             "router-sidecar-gateway",
@@ -314,7 +335,7 @@ def _etcdctl(c: Obj) -> tuple[dict[str, str], list[str]]:
     return flags, words
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", RENDERS)
 def test_etcd_defrag_cronjob(rendered: dict[str, list[Obj]], kustomization: str) -> None:
     """Where the etcd StatefulSet is, and only there: daily, never two runs at once; every member, one at a
     time, each only after every member answered a status request; with the members' own image (etcdctl);
@@ -387,8 +408,12 @@ def test_external_etcd_changes_only_the_endpoint(rendered: dict[str, list[Obj]])
     assert _without_etcd_config(external) == _without_etcd_config(base)
 
 
-def test_replica_front_overlay(rendered: dict[str, list[Obj]]) -> None:
-    objects = rendered["overlays/replica-front"]
+@pytest.mark.parametrize(
+    ("name", "without"),
+    [("overlays/replica-front", "base"), ("helm/values-replica-front.yaml", "helm/defaults")],
+)
+def test_replica_front_overlay(rendered: dict[str, list[Obj]], name: str, without: str) -> None:
+    objects = rendered[name]
     _, spec = next((w, s) for w, s in pod_specs(objects) if w["metadata"]["name"].endswith("replica"))
     agent, engine = container(spec, "replica-agent"), container(spec, "engine")
     args = agent["args"]
@@ -403,7 +428,7 @@ def test_replica_front_overlay(rendered: dict[str, list[Obj]]) -> None:
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [int(front_port)]
     # Without the overlay, gateways reach the engine itself at the advertised port.
     _, plain = next(
-        (w, s) for w, s in pod_specs(rendered["base"]) if w["metadata"]["name"].endswith("replica")
+        (w, s) for w, s in pod_specs(rendered[without]) if w["metadata"]["name"].endswith("replica")
     )
     plain_args = container(plain, "replica-agent")["args"]
     assert "--front" not in plain_args
