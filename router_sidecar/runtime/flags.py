@@ -26,6 +26,13 @@ def endpoint(text: str) -> Endpoint:
         raise FlagValueError(f"{text!r} is not HOST:PORT with a port 1-65535, e.g. 127.0.0.1:8080") from None
 
 
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise FlagValueError(f"{text!r} is not a port 1-65535, e.g. 9003")
+    return int(text)
+
+
 def host_port(text: str) -> str:
     """HOST:PORT, kept as given (the replica agent's addresses)."""
     endpoint(text)
