@@ -313,3 +313,23 @@ def test_the_pickers_own_answer_is_an_immediate_response(envoy_ep: ModuleType, l
     }
     record = stream.end_record(stream.outcome())
     assert (record["picked"], record["answer"], record["outcome"]) == (None, 429, "answered")
+
+
+def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from router_testbed.epp.server import Config, config_from_args
+
+    argv = ["--listen", "127.0.0.1:0", "--endpoint", "10.0.0.1:8000", "--endpoint", "[::1]:9000"]
+    assert config_from_args(argv) == Config("127.0.0.1", 0, (A, Endpoint("::1", 9000)))
+    more = config_from_args([*argv, "--log", "x.jsonl", "--list-size", "1", "--answer", "429"])
+    assert (more.log_path, more.list_size, more.answer) == ("x.jsonl", 1, 429)
+    listen = ["--listen", "127.0.0.1:0"]
+    for bad in (
+        [*listen, "--endpoint", "localhost:8000"],
+        [*argv, "--list-size", "0"],
+        [*argv, "--answer", "500"],
+        listen,  # no endpoint
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            config_from_args(bad)
+        assert stopped.value.code == 2
+    assert "localhost:8000" in capsys.readouterr().err
