@@ -106,12 +106,17 @@ def record(picker: PickerProcess, request_id: str) -> dict[str, Any]:
 
 
 def served_by(replicas: dict[str, Sim], request_id: str) -> list[str]:
-    """The replicas whose own log has the request completed."""
-    return [
-        s.endpoint
-        for s in replicas.values()
-        if any(r["outcome"] == "completed" for r in s.requests_for(request_id))
-    ]
+    """The replicas whose own log has the request completed (a replica writes that record just after its
+    last byte: waited for)."""
+
+    def completed() -> list[str]:
+        return [
+            s.endpoint
+            for s in replicas.values()
+            if any(r["outcome"] == "completed" for r in s.requests_for(request_id))
+        ]
+
+    return poll(completed, timeout=10, what=f"a replica's record of {request_id} completed")
 
 
 def ended(sim: Sim, request_id: str) -> dict[str, Any]:
