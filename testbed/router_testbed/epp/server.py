@@ -56,16 +56,12 @@ TIMES = ("t_request_headers", "t_request_end", "t_picked", "t_response_headers")
 HEALTHY_SERVICES = frozenset({"", "liveness", "readiness", services.EXT_PROC_SERVICE})
 
 
-def _digest() -> Any:
-    return hashlib.sha256()
-
-
 @dataclass
 class _Body:
     """What passed in one direction: its size and digest (the log's proof of byte-exactness)."""
 
     size: int = 0
-    sha256: Any = field(default_factory=_digest)
+    sha256: Any = field(default_factory=hashlib.sha256)
     chunks: int = 0
 
     def add(self, data: bytes) -> None:
@@ -376,16 +372,17 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
 async def serve(config: Config) -> int:
     with stop_on_signals() as stop:
         log = RequestLog(config.log_path)
-        server = grpc.aio.server()
+        # Envoy sends a body chunk as one message (about 1 MiB seen here); gRPC's default limit is 4 MiB.
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
         port = server.add_insecure_port(bind)
         address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
-        picker = PickerServer(Picker(config.endpoints, list_size=config.list_size, answer=config.answer), log)
-        picker.name = address
+        chooser = Picker(config.endpoints, list_size=config.list_size, answer=config.answer)
+        picker = PickerServer(chooser, log, name=address)
         services.add_external_processor(server, picker)
         add_health(server, picker)
         await server.start()
-        endpoints = ",".join(map(str, picker.picker.endpoints))
+        endpoints = ",".join(map(str, chooser.endpoints))
         print(f"epp listening on {address} endpoints {endpoints}", flush=True)
         try:
             await stop.wait()
