@@ -54,11 +54,13 @@ def envoy_config(
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
     num_retries: int | None = 2,
     picker_health_check: bool = False,
+    picker_tls: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The test's Envoy: listener → the picker's ext_proc filter → router → the override_host cluster.
     `num_retries=None`: the route has no retry policy at all. `picker_health_check`: Envoy checks the picker
     with the gRPC health protocol (service `envoy.service.ext_proc.v3.ExternalProcessor`) every 0.2 s and,
-    with the panic threshold at 0, sends no stream to a picker it found down."""
+    with the panic threshold at 0, sends no stream to a picker it found down. `picker_tls`: the
+    `common_tls_context` of a TLS connection to the picker (nothing verified)."""
     lb_key = {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}
     override_host: dict[str, Any] = {
         "@type": OVERRIDE_HOST,
@@ -184,6 +186,14 @@ def envoy_config(
         },
     )
     picker_cluster = cluster("endpoint_picker", [picker_port], True)
+    if picker_tls is not None:
+        picker_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": picker_tls,
+            },
+        }
     if picker_health_check:
         picker_cluster["health_checks"] = [
             {

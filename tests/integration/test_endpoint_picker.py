@@ -415,6 +415,33 @@ def test_request_trailers_on_a_route_with_retries_double_the_body_in_envoy_1_40(
     assert rec["request_body_bytes"] == len(body) and rec["request_trailers"] == dict(TRAILERS)
 
 
+# Over TLS, as GAIE's and llm-d's pickers serve by default
+
+
+def test_a_picker_serving_tls_with_a_self_signed_certificate(work: Path, replicas: dict[str, Sim]) -> None:
+    picker = PickerProcess(work, [s.endpoint for s in replicas.values()], extra=["--tls"])
+    envoy = None
+    try:
+        assert b" tls endpoints " in picker.out_path.read_bytes()
+        envoy = EnvoyProcess(
+            work,
+            "envoy-tls",
+            picker_port=picker.port,
+            replica_ports=[s.port for s in replicas.values()],
+            picker_tls={"alpn_protocols": ["h2"]},  # nothing verified
+            picker_health_check=True,
+        )
+        assert envoy.picker_healthy() is True  # the gRPC health check passed over TLS
+        b = replicas["b"].endpoint
+        result = ask(envoy, "over-tls", {SELECT: b})
+        assert complete(result) and result.headers[SERVED_HEADER] == b
+        assert served_by(replicas, "over-tls") == [b] and record(picker, "over-tls")["served"] == b
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        picker.stop()
+
+
 # epp_unavailable_fail_open, and fail-closed
 
 

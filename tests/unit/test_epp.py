@@ -320,8 +320,8 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
 
     argv = ["--listen", "127.0.0.1:0", "--endpoint", "10.0.0.1:8000", "--endpoint", "[::1]:9000"]
     assert config_from_args(argv) == Config("127.0.0.1", 0, (A, Endpoint("::1", 9000)))
-    more = config_from_args([*argv, "--log", "x.jsonl", "--list-size", "1", "--answer", "429"])
-    assert (more.log_path, more.list_size, more.answer) == ("x.jsonl", 1, 429)
+    more = config_from_args([*argv, "--log", "x.jsonl", "--list-size", "1", "--answer", "429", "--tls"])
+    assert (more.log_path, more.list_size, more.answer, more.tls) == ("x.jsonl", 1, 429, True)
     listen = ["--listen", "127.0.0.1:0"]
     for bad in (
         [*listen, "--endpoint", "localhost:8000"],

@@ -27,11 +27,14 @@ import argparse
 import asyncio
 import hashlib
 import json
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -311,6 +314,7 @@ class Config:
     log_path: str | None = None
     list_size: int | None = None
     answer: int | None = None
+    tls: bool = False
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -360,13 +364,45 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="answer every request itself: 503 (no ready endpoint) or 429 (shed)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve TLS with a fresh self-signed certificate, as GAIE's and llm-d's pickers do by default "
+        "(made with the openssl command)",
+    )
     return p
 
 
 def config_from_args(argv: Sequence[str] | None) -> Config:
     args = build_parser().parse_args(argv)
     host, port = args.listen
-    return Config(host, port, tuple(args.endpoint), args.log, args.list_size, args.answer)
+    return Config(host, port, tuple(args.endpoint), args.log, args.list_size, args.answer, args.tls)
+
+
+def self_signed_credentials() -> grpc.ServerCredentials:
+    """A throw-away key and certificate (P-256, one day, CN router-testbed-epp) made by `openssl`: a client
+    that verifies nothing, as Envoy does for a picker's self-signed certificate, can connect."""
+    with tempfile.TemporaryDirectory() as tmp:
+        key, cert = Path(tmp, "key.pem"), Path(tmp, "cert.pem")
+        argv = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        argv += [
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=router-testbed-epp",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ]
+        subprocess.run(
+            argv,
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
 
 
 async def serve(config: Config) -> int:
@@ -375,7 +411,10 @@ async def serve(config: Config) -> int:
         # Envoy sends a body chunk as one message (about 1 MiB seen here); gRPC's default limit is 4 MiB.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
-        port = server.add_insecure_port(bind)
+        if config.tls:
+            port = server.add_secure_port(bind, self_signed_credentials())
+        else:
+            port = server.add_insecure_port(bind)
         address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
         chooser = Picker(config.endpoints, list_size=config.list_size, answer=config.answer)
         picker = PickerServer(chooser, log, name=address)
@@ -383,7 +422,8 @@ async def serve(config: Config) -> int:
         add_health(server, picker)
         await server.start()
         endpoints = ",".join(map(str, chooser.endpoints))
-        print(f"epp listening on {address} endpoints {endpoints}", flush=True)
+        tls = " tls" if config.tls else ""
+        print(f"epp listening on {address}{tls} endpoints {endpoints}", flush=True)
         try:
             await stop.wait()
         finally:
