@@ -11,8 +11,9 @@ needs three more fields of Envoy's messages, with Envoy's numbers:
 * ``CommonResponse.clear_route_cache`` (5, bool): the protocol's route-cache clear.
 
 A field a message does not declare is kept as an unknown field on parse and written back on serialize, so
-the product's messages carry them: read with :class:`google.protobuf.unknown_fields.UnknownFieldSet`, written
-by merging the field's encoded bytes. tests/unit/test_epp_wire.py checks both against Envoy's own messages.
+the product's messages carry them: read with :class:`google.protobuf.unknown_fields.UnknownFieldSet` (or as
+the declared field, once the product's message declares one), written by merging the field's encoded bytes
+(which sets it either way). tests/unit/test_epp.py checks both against Envoy's own messages.
 
 The gRPC health service the protocol asks of a picker (``grpc.health.v1.Health/Check``) has two one-field
 messages; they are encoded here by hand too.
@@ -64,8 +65,11 @@ class ProtocolConfig:
         }
 
 
-def _unknown(message: Message, number: int) -> bytes | None:
-    """The bytes of the last occurrence of length-delimited field `number` the message did not declare."""
+def _field_bytes(message: Message, name: str, number: int) -> bytes | None:
+    """The encoded value of message field `name` (number `number`): read as a declared field if the product's
+    message has come to declare it, else from the fields it kept unknown (the last occurrence)."""
+    if name in message.DESCRIPTOR.fields_by_name:
+        return getattr(message, name).SerializeToString() if message.HasField(name) else None
     found = None
     for field in UnknownFieldSet(message):
         if field.field_number == number and isinstance(field.data, bytes):
@@ -75,7 +79,7 @@ def _unknown(message: Message, number: int) -> bytes | None:
 
 def protocol_config(request: ep.ProcessingRequest) -> ProtocolConfig | None:
     """The request's `protocol_config`, or None when it has none (every message after the first)."""
-    data = _unknown(request, PROTOCOL_CONFIG)
+    data = _field_bytes(request, "protocol_config", PROTOCOL_CONFIG)
     if data is None:
         return None
     values = _varints(data)
@@ -84,7 +88,7 @@ def protocol_config(request: ep.ProcessingRequest) -> ProtocolConfig | None:
 
 def metadata_context(request: ep.ProcessingRequest) -> dict[str, Struct]:
     """The request's forwarded dynamic metadata: namespace → its (untyped) Struct."""
-    data = _unknown(request, METADATA_CONTEXT)
+    data = _field_bytes(request, "metadata_context", METADATA_CONTEXT)
     if data is None:
         return {}
     metadata = core_pb2.Metadata.FromString(data)
