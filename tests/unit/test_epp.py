@@ -181,9 +181,13 @@ def _envoys(envoy_ep: ModuleType, replies: list[Any]) -> list[Any]:
 
 
 def test_full_duplex_holds_the_headers_until_the_body_ends(envoy_ep: ModuleType, log: _Log) -> None:
-    stream = PickerStream(PickerServer(Picker([A, B]), log, "test"))
+    stream = PickerStream(PickerServer(Picker([A, B]), log, "test", log_headers=["X-Test-Id"]))
     first = _first(
-        envoy_ep, FULL_DUPLEX, FULL_DUPLEX, {":path": "/v1/chat/completions", "x-request-id": "r1"}, False
+        envoy_ep,
+        FULL_DUPLEX,
+        FULL_DUPLEX,
+        {":path": "/v1/chat/completions", "x-request-id": "r1", "x-test-id": "t-1"},
+        False,
     )
     assert stream.on_message(_ours(first)) == []
     assert stream.on_message(_ours(envoy_ep.ProcessingRequest(request_body={"body": b"abc"}))) == []
@@ -223,6 +227,7 @@ def test_full_duplex_holds_the_headers_until_the_body_ends(envoy_ep: ModuleType,
     assert streamed.response_body.response.body_mutation.streamed_response.end_of_stream
     record = stream.end_record(stream.outcome())
     assert record["event"] == "end" and record["outcome"] == "completed"
+    assert record["headers"] == {"x-test-id": "t-1"}
     assert (record["request_id"], record["picked"], record["served"]) == (
         "r1",
         ["10.0.0.1:8000", "10.0.0.2:8000"],
@@ -320,8 +325,11 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
 
     argv = ["--listen", "127.0.0.1:0", "--endpoint", "10.0.0.1:8000", "--endpoint", "[::1]:9000"]
     assert config_from_args(argv) == Config("127.0.0.1", 0, (A, Endpoint("::1", 9000)))
-    more = config_from_args([*argv, "--log", "x.jsonl", "--list-size", "1", "--answer", "429", "--tls"])
+    more = config_from_args(
+        [*argv, "--log", "x.jsonl", "--list-size", "1", "--answer", "429", "--tls", "--log-header", "X-Test"]
+    )
     assert (more.log_path, more.list_size, more.answer, more.tls) == ("x.jsonl", 1, 429, True)
+    assert more.log_headers == ("X-Test",)
     listen = ["--listen", "127.0.0.1:0"]
     for bad in (
         [*listen, "--endpoint", "localhost:8000"],

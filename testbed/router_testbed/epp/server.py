@@ -214,6 +214,7 @@ class PickerStream:
             "answer": decision.status if decision is not None else None,
             "reason": decision.reason if decision is not None else None,
             "subset": self.subset,
+            "headers": {h: self.headers[h] for h in self.server.log_headers if h in self.headers},
             "mode": self.config.describe(),
             **{k: self.times.get(k) for k in ("t_request_headers", "t_request_end", "t_picked")},
         }
@@ -275,10 +276,13 @@ def _endpoint_list(value: object) -> list[str]:
 class PickerServer:
     """The ext_proc servicer (one :class:`PickerStream` per gRPC stream) and the gRPC health service."""
 
-    def __init__(self, picker: Picker, log: RequestLog, name: str = "epp") -> None:
+    def __init__(
+        self, picker: Picker, log: RequestLog, name: str = "epp", log_headers: Sequence[str] = ()
+    ) -> None:
         self.picker = picker
         self.log = log
         self.name = name
+        self.log_headers = tuple(h.lower() for h in log_headers)
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -315,6 +319,7 @@ class Config:
     list_size: int | None = None
     answer: int | None = None
     tls: bool = False
+    log_headers: tuple[str, ...] = ()
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -365,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer every request itself: 503 (no ready endpoint) or 429 (shed)",
     )
     p.add_argument(
+        "--log-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also log this request header (repeat): to find a request whose x-request-id a gateway replaces",
+    )
+    p.add_argument(
         "--tls",
         action="store_true",
         help="serve TLS with a fresh self-signed certificate, as GAIE's and llm-d's pickers do by default "
@@ -376,7 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(argv: Sequence[str] | None) -> Config:
     args = build_parser().parse_args(argv)
     host, port = args.listen
-    return Config(host, port, tuple(args.endpoint), args.log, args.list_size, args.answer, args.tls)
+    return Config(
+        host,
+        port,
+        tuple(args.endpoint),
+        args.log,
+        args.list_size,
+        args.answer,
+        args.tls,
+        tuple(args.log_header),
+    )
 
 
 def self_signed_credentials() -> grpc.ServerCredentials:
@@ -408,16 +429,20 @@ def self_signed_credentials() -> grpc.ServerCredentials:
 async def serve(config: Config) -> int:
     with stop_on_signals() as stop:
         log = RequestLog(config.log_path)
-        # Envoy sends a body chunk as one message (about 1 MiB seen here); gRPC's default limit is 4 MiB.
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        # Envoy sends a body chunk as one message (about 1 MiB seen here); gRPC's default limit is 4 MiB. No
+        # SO_REUSEPORT (gRPC's default): a port another process holds is an error, not a shared port.
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options)
         bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
         if config.tls:
             port = server.add_secure_port(bind, self_signed_credentials())
         else:
             port = server.add_insecure_port(bind)
+        if port == 0:  # older gRPC returns 0 instead of raising
+            raise OSError(f"cannot listen on {bind}")
         address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
         chooser = Picker(config.endpoints, list_size=config.list_size, answer=config.answer)
-        picker = PickerServer(chooser, log, name=address)
+        picker = PickerServer(chooser, log, name=address, log_headers=config.log_headers)
         services.add_external_processor(server, picker)
         add_health(server, picker)
         await server.start()
