@@ -4,6 +4,7 @@ router-testbed sim --listen HOST:PORT ...     a simulated vLLM / SGLang replica
 router-testbed demo [--fast] [--real-vllm]    etcd + 2 replicas + the gateway, then the drill against it
 router-testbed drill --gateway URL ...        the failover scenarios against any OpenAI-compatible gateway
 router-testbed toolsvc --listen HOST:PORT ... the test tool service (executions logged)
+router-testbed epp --listen HOST:PORT --endpoint IP:PORT ...   a local endpoint picker (GAIE protocol)
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the failover scenarios against a running OpenAI-compatible gateway, judged (HTML report)",
     ),
     "toolsvc": ("router_testbed.toolsvc", "the test tool service: a side effect per call, logged"),
+    "epp": (
+        "router_testbed.epp.server",
+        "a local endpoint picker: GAIE's endpoint-picker protocol v1.0.0 over Envoy ext_proc",
+    ),
 }
 
 
@@ -45,7 +50,8 @@ def usage() -> str:
     lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
     lines += [
         "",
-        f"`{PROG} COMMAND --help` lists a command's flags. See docs/drill.md and docs/simulator.md.",
+        f"`{PROG} COMMAND --help` lists a command's flags. "
+        "See docs/drill.md, docs/simulator.md, docs/endpoint-picker.md.",
     ]
     return "\n".join(lines)
 

@@ -23,13 +23,14 @@ def test_the_commands_and_the_version(capsys: pytest.CaptureFixture[str]) -> Non
         "demo",
         "drill",
         "toolsvc",
+        "epp",
     ]
 
 
 def test_a_missing_or_unknown_command_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["simulate"]) == 2
     assert capsys.readouterr().err == (
-        "router-testbed: unknown command 'simulate'; expected one of sim, demo, drill, toolsvc\n"
+        "router-testbed: unknown command 'simulate'; expected one of sim, demo, drill, toolsvc, epp\n"
     )
     assert cli.main([]) == 2
     assert capsys.readouterr().err.startswith("usage: router-testbed")
