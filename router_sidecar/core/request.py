@@ -1140,7 +1140,9 @@ class LogicalRequest:
         if self.client is not ClientStream.PASSED:
             return []  # replaced by our error, or answered already: nothing of it goes to the client
         if r.ended:
-            return [Forward(b"", e.end_of_stream)]
+            # Our end_of_stream went out already: nothing more, not even another end (Envoy cuts the client's
+            # stream on a second one when another full-duplex filter is in front, docs/envoy-facts.md).
+            return []
         if not r.streaming:
             return [self._non_stream_chunk(e)]
         whole = r.scanner.pending_size == 0  # nothing carried over: the chunk may be forwarded as it is

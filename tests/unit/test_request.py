@@ -513,8 +513,8 @@ def test_bytes_after_done_are_not_forwarded() -> None:
     decisions = feed(request, [ROLE + C1 + FINISH + DONE_EVENT + C2, C3 + DONE_EVENT, b""])
     assert decisions == [
         Forward(ROLE + C1 + FINISH + DONE_EVENT, True),
-        Forward(b"", False),
-        Forward(b"", True),
+        None,  # after our end of stream nothing more is answered, not even a second end
+        None,
     ]
     assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 1)
 
@@ -654,8 +654,8 @@ def test_terminate_after_first_delta(
     assert [e.name for e in events] == [EventName.STREAM_TERMINATED]
     assert events[0].detail["delivered_output_tokens"] == n
     # Nothing after a Terminate is forwarded, whatever the upstream still sends.
-    assert request.handle(ResponseChunk(C3 + DONE_EVENT, False)) == [Forward(b"", False)]
-    assert request.handle(ResponseChunk(C3, True)) == [Forward(b"", True)]
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, False)) == []
+    assert request.handle(ResponseChunk(C3, True)) == []  # our end went out: no second one
     assert request.handle(DeadlineReached()) == []
     # A loss noted after the end only lets the lease go (once).
     assert request.handle(PublisherLost("heartbeat_lapsed")) == [ReleaseLease("att-1", None)]
@@ -681,7 +681,7 @@ def test_oversized_event_after_the_first_delta() -> None:
     assert last.data.startswith(C2)
     err = check_one_terminal_frame(ROLE + C1 + last.data, 2)  # C1 and C2 went out
     assert "limits.max_event_bytes" in err["message"]
-    assert decisions[2] == Forward(b"", False)
+    assert decisions[2] is None
     assert (request.phase, request.outcome) == (Phase.INTERRUPTED, Outcome.UPSTREAM_DECODE_INTERRUPTED)
     assert names(request) == ["stream_terminated"]
 
@@ -916,7 +916,7 @@ def test_deadline_after_the_first_delta() -> None:
     events = request.drain_events()
     assert [e.name for e in events] == [EventName.STREAM_TERMINATED]
     assert events[0].detail["delivered_output_tokens"] == 2
-    assert feed(request, [C3 + FINISH + DONE_EVENT]) == [Forward(b"", True)]
+    assert feed(request, [C3 + FINISH + DONE_EVENT]) == [None]
     assert request.outcome is Outcome.DEADLINE_EXCEEDED
 
 
@@ -959,7 +959,7 @@ def test_publisher_lost_after_the_first_delta(cause: str) -> None:
         (EventName.STREAM_TERMINATED, None),
     ]
     assert events[0].detail == {"cause": cause}
-    assert request.handle(ResponseChunk(C2, False)) == [Forward(b"", False)]
+    assert request.handle(ResponseChunk(C2, False)) == []
 
 
 def test_publisher_lost_before_the_first_delta_or_after_the_end() -> None:
@@ -1006,7 +1006,7 @@ def test_publisher_lost_while_its_release_is_on_its_way(headers_first: bool) -> 
         (EventName.REPLICA_LOST, 1),
         (EventName.STREAM_TERMINATED, None),
     ]
-    assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == [Forward(b"", True)]
+    assert request.handle(ResponseChunk(C3 + DONE_EVENT, True)) == []
 
 
 def test_a_loss_noted_for_one_attempt_never_ends_a_later_attempts_stream() -> None:

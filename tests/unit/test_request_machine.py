@@ -470,7 +470,7 @@ EXPECTED: dict[tuple[str, type], Row] = {
         arrived=Row([refused("completed")]),
         for_attempt=NOTHING,
         started=ILLEGAL,
-        chunk=Row([Forward(b"", False)]),
+        chunk=NOTHING,
         publisher_lost=Row([ReleaseLease("att-1", None)]),
     ),
     **_after_the_end(
@@ -478,7 +478,7 @@ EXPECTED: dict[tuple[str, type], Row] = {
         arrived=Row([refused("upstream_decode_interrupted")]),
         for_attempt=NOTHING,
         started=ILLEGAL,
-        chunk=Row([Forward(b"", False)]),
+        chunk=NOTHING,
         publisher_lost=Row([ReleaseLease("att-1", None)]),
     ),
     **_after_the_end(
