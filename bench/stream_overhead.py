@@ -688,7 +688,7 @@ def api_table(phases: dict[str, list[Setup]], args: argparse.Namespace, base: st
         )
         lines.append(f"{'floor: lean ext_proc (µs/chunk)':<30}{floor}")
     received = "".join(
-        f"{_count(by_api[a]['plain']):>{width}}{_count(by_api[a]['gateway']):>{width}}{'':>{2 * width}}"
+        f"{_count(by_api[a]['plain']):>{2 * width}}{_count(by_api[a]['gateway']):>{2 * width}}"
         for a in args.apis
     )
     lines.append(f"{'chunks received':<30}{received}")
