@@ -225,7 +225,7 @@ def test_a_silent_cut_is_a_violation_named_by_scenario(broken_gateway: str, tmp_
     args = ("--gateway", broken_gateway, "--fault-mode", "none", "--scenario", "healthy", "--timeout", "2")
     run = drill(*args, "--json", str(data))
     assert run.returncode == 1, run.stdout + run.stderr
-    assert re.search(r"^  chat  healthy +none +FAIL ", run.stdout, re.MULTILINE), run.stdout
+    assert re.search(r"^  healthy +chat  none +FAIL ", run.stdout, re.MULTILINE), run.stdout
     assert "FAIL healthy on chat completions (healthy request)" in run.stdout
     assert "  ✗ client: one complete answer: exactly one [DONE], last; no error frame; no reset" in run.stdout
     assert "      seen: HTTP 200, 2 content events, 0× [DONE]" in run.stdout

@@ -854,8 +854,8 @@ def test_the_report_has_one_picture_per_request_and_nothing_external() -> None:
     data = to_json(info, results)
     assert data["passed"] is False and [len(s["exchanges"]) for s in data["scenarios"]] == [1, 2]
     table = verdict_table(results)
-    assert table.splitlines()[0].split()[:2] == ["api", "scenario"]
-    assert table.splitlines()[1].split()[:4] == ["chat", "healthy", "none", "PASS"]
+    assert table.splitlines()[0].split()[:2] == ["scenario", "api"]
+    assert table.splitlines()[1].split()[:4] == ["healthy", "chat", "none", "PASS"]
 
 
 # --- a replica frozen before the first delta: fenced, then retried ---------------------------------------
@@ -1020,7 +1020,7 @@ def test_the_report_counts_what_applied() -> None:
         == "1/1 scenarios passed (1 not applicable to this gateway) in 1.0s"
     )
     table = verdict_table([passed, skipped])
-    assert re.search(r"^  chat  healthy +none +PASS +5/5 \+1 N/A ", table, re.MULTILINE), table
+    assert re.search(r"^  healthy +chat  none +PASS +5/5 \+1 N/A ", table, re.MULTILINE), table
     assert "N/A duplicate-key: not router-sidecar: ..." in table
 
 
@@ -1422,8 +1422,8 @@ def test_the_report_names_the_api_of_each_row() -> None:
     ]
     table = verdict_table(results).splitlines()
     assert [line.split()[:3] for line in table[1:3]] == [
-        ["chat", "healthy", "none"],
-        ["responses", "healthy", "none"],
+        ["healthy", "chat", "none"],
+        ["healthy", "responses", "none"],
     ]
     info = RunInfo("http://127.0.0.1:1", "sim", "tiny", "r1", T0, 0.3, apis=["chat", "responses"])
     page = html_report(info, results)

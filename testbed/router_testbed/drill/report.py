@@ -87,13 +87,13 @@ def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
     name_w = max([len("scenario"), *(len(r.scenario.name) for r in results)])
     fault_w = 46
     header = (
-        f"  {'api':<{api_w}}  {'scenario':<{name_w}}  {'fault':<{fault_w}}  verdict  {'checks':>12}    time"
+        f"  {'scenario':<{name_w}}  {'api':<{api_w}}  {'fault':<{fault_w}}  verdict  {'checks':>12}    time"
     )
     lines = [s.bold(header)]
     marks = {"PASS": s.green("PASS   "), "FAIL": s.red("FAIL   "), "N/A": s.dim("N/A    ")}
     for r in results:
         lines.append(
-            f"  {api_cell(r):<{api_w}}  {r.scenario.name:<{name_w}}  {_cut(r.fault, fault_w):<{fault_w}}  "
+            f"  {r.scenario.name:<{name_w}}  {api_cell(r):<{api_w}}  {_cut(r.fault, fault_w):<{fault_w}}  "
             f"{marks[r.status]}  {checks_cell(r):>12}  {r.seconds:5.1f}s"
         )
     for r in results:
@@ -686,9 +686,9 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         v = r.status
         first = r.verdict.failed[0].what if r.verdict.failed else r.not_applicable or ""
         rows.append(
-            f"<tr><td>{_e(api_cell(r))}</td>"
-            f'<td><a href="#{_e(_anchor_of(r))}">{_e(r.scenario.name)}</a></td>'
-            f'<td>{_e(r.fault)}</td><td><span class="badge {_badge(v)}">{v}</span></td>'
+            f'<tr><td><a href="#{_e(_anchor_of(r))}">{_e(r.scenario.name)}</a></td>'
+            f"<td>{_e(api_cell(r))}</td><td>{_e(r.fault)}</td>"
+            f'<td><span class="badge {_badge(v)}">{v}</span></td>'
             f"<td>{_e(checks_cell(r))}</td><td>{r.seconds:.1f}s</td><td>{_e(first)}</td></tr>"
         )
     sections = []
@@ -724,7 +724,7 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         f'<p class="meta">gateway {_e(info.gateway)} ({_e(kind)}) · fault mode {_e(info.fault_mode)} · '
         f"model {_e(info.model)} · api {_e(', '.join(info.apis))} · run {_e(info.run_id)} · {when} · "
         f"{info.seconds:.1f}s</p>"
-        '<table class="summary"><tr><th>api</th><th>scenario</th><th>fault</th><th>verdict</th>'
+        '<table class="summary"><tr><th>scenario</th><th>api</th><th>fault</th><th>verdict</th>'
         "<th>checks</th><th>time</th><th>first violation</th></tr>"
         + "".join(rows)
         + "</table>"
