@@ -126,11 +126,15 @@ def rejection_body(rejected: RequestRejected, request_id: str, shape: ErrorShape
 
 
 def request_id_headers(request: LogicalRequest) -> list[tuple[str, str]]:
+    return id_headers(request.request_id, request.dialect.errors)
+
+
+def id_headers(request_id: str, shape: ErrorShape) -> list[tuple[str, str]]:
     """The request id on a response: `x-request-id`, and Anthropic's `request-id` on the Messages API (its
     SDK reads the id there)."""
-    if request.dialect.errors is ErrorShape.ANTHROPIC:
-        return [("x-request-id", request.request_id), ("request-id", request.request_id)]
-    return [("x-request-id", request.request_id)]
+    if shape is ErrorShape.ANTHROPIC:
+        return [("x-request-id", request_id), ("request-id", request_id)]
+    return [("x-request-id", request_id)]
 
 
 def error_headers(request: LogicalRequest, verdict: FailRequest) -> list[tuple[str, str]]:
