@@ -51,7 +51,7 @@ NOT_SENT = "connection_lost_before_request"
 # Replica outcomes (simulator log) of an abrupt death: the only ones that may reach a client as a reset.
 ABRUPT_REPLICA_OUTCOMES = frozenset({"fault:reset", "fault:exit"})
 
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "responses", "messages"]
 OutcomeKind = Literal["complete", "terminal_frame", "reset", "json_error", "disconnect", "other"]
 
 
@@ -965,7 +965,7 @@ def simulated_pieces(route: Route, body: dict[str, Any], *, server_seed: int = 0
     this request: the simulator is deterministic in (seed, model, prompt, max_tokens)."""
     from router_testbed.sim import generation as gen
 
-    kind: gen.Kind = "chat" if route == "chat" else "completion"
+    kind: gen.Kind = {"chat": "chat", "completions": "completion"}.get(route, route)  # type: ignore[assignment]
     request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))
     output = gen.plan_output(request, server_seed)
     return tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in output.pieces)
