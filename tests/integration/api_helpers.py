@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.api_streams import (
+    ANTHROPIC_ERROR_TYPES,
     INTERRUPTED,
     PATHS,
     REPLICA_ERROR_MARKERS,
@@ -280,9 +281,11 @@ def assert_terminal_event(
 
 
 def assert_error_body(
-    api: Api, response_status: int, headers: dict[str, str], raw: bytes, code: str
+    api: Api, response_status: int, headers: dict[str, str], raw: bytes, code: str, *, schema: bool = True
 ) -> dict[str, Any]:
-    """One HTTP error in the API's own shape naming the request and why, nothing of a replica's."""
+    """One HTTP error in the API's own shape naming the request and why, nothing of a replica's. `schema`:
+    it is one of the published records (the errors after admission; docs/records.md: admission errors
+    have the API's shape plus `request_id`, no schema yet)."""
     assert headers["content-type"] == "application/json", headers
     assert b"data:" not in raw and b"event:" not in raw, raw[:300]
     for marker in REPLICA_ERROR_MARKERS:
@@ -290,14 +293,15 @@ def assert_error_body(
     answer = json.loads(raw)
     request_id = headers["x-request-id"]
     if api == "messages":
-        assert answer["type"] == "error" and answer["request_id"] == request_id, answer
+        assert answer.get("type") == "error" and answer.get("request_id") == request_id, answer
         error = answer["error"]
-        assert error["details"] == {"error_code": code}, error
-        assert not schema_errors("messages-error", answer)
+        assert error.get("details") == {"error_code": code}, error
+        assert error.get("type") in ANTHROPIC_ERROR_TYPES, error
+        assert not schema or not schema_errors("messages-error", answer)
     else:
         assert set(answer) == {"error"}, answer
         error = answer["error"]
-        assert not schema_errors("gateway-error", answer)
+        assert not schema or not schema_errors("gateway-error", answer)
     assert error["code"] == code and error["request_id"] == request_id and error["message"], error
-    assert error["partial_output"] is False
+    assert not schema or error["partial_output"] is False
     return error
