@@ -1239,6 +1239,9 @@ class Server:
             scenario = parse_scenario(scenario_text)
         except ValueError as exc:
             return await ex.json(400, compact({"error": {"message": str(exc), "code": 400}}))
+        if scenario.name not in SCENARIOS:
+            message = f"scenario {scenario.name!r} is played on /v1/responses and /v1/messages only"
+            return await ex.json(400, compact({"error": {"message": message, "code": 400}}))
         if not scenario.applies(attempt):
             return await play_normal(ex)
         return await SCENARIOS[scenario.name](ex, scenario.size)
