@@ -138,6 +138,9 @@ class Evidence:
     expected_pieces: tuple[str, ...] | None = None
     max_attempts: int = 2  # the policy's before_first_delta.max_attempts
     max_event_bytes: int = 1 << 20  # the policy's limits.max_event_bytes
+    # Other generations a replica may write for this request because of its fault (`oversize`'s padded
+    # text, on the attempts the clause applies to): a prefix of one of them is a prefix of one generation.
+    variant_pieces: tuple[tuple[str, ...], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -462,6 +465,28 @@ class _Check:
                 self.flag("9", "journal-schema", f"the journal record breaks its published schema: {broken}")
         return self.violations
 
+    def is_the_generation(self, text: str, n: int) -> bool:
+        """`text` is the first `n` content events of the request's one generation (or of a variant a fault
+        makes a replica write, e.g. `oversize`'s padded text); True when the generation is unknown."""
+        expected = self.ev.expected_pieces
+        if expected is None:
+            return True
+        return any(
+            n <= len(pieces) and text == "".join(pieces[:n]) for pieces in (expected, *self.ev.variant_pieces)
+        )
+
+    def check_prefix_of_the_generation(self) -> None:
+        d, expected = self.d, self.ev.expected_pieces
+        n = len(d.content)
+        if expected is not None and not self.is_the_generation(d.text, n):
+            self.flag(
+                "2",
+                "not-a-prefix-of-the-generation",
+                f"the delivered text ({n} content events) is not a prefix of the one generation "
+                f"({len(expected)} events): a repeated fragment or another answer: got {_short(d.text)}, "
+                f"expected {_short(''.join(expected[:n]))}",
+            )
+
     def check_event_sizes(self) -> None:
         """Invariant 10: no SSE event over limits.max_event_bytes reaches a client (docs/bounds.md: the
         attempt fails before the first delta, the stream ends with the terminal event after it)."""
@@ -505,17 +530,7 @@ class _Check:
                 "torn-event",
                 f"the stream ended cleanly inside an event: tail {_short(self.client.body[-200:])}",
             )
-        expected = self.ev.expected_pieces
-        if expected is not None:
-            n = len(d.content)
-            if n > len(expected) or d.text != "".join(expected[:n]):
-                self.flag(
-                    "2",
-                    "not-a-prefix-of-the-generation",
-                    f"the delivered text ({n} content events) is not a prefix of the one generation "
-                    f"({len(expected)} events): a repeated fragment or another answer: got {_short(d.text)}, "
-                    f"expected {_short(''.join(expected[:n]))}",
-                )
+        self.check_prefix_of_the_generation()
         after_done = False
         for p in d.payloads:
             if after_done:
@@ -536,8 +551,7 @@ class _Check:
                     f"a non-streamed 200 that is not one complete generation: finish_reason {finish!r}, "
                     f"completion_tokens {tokens} of max_tokens {sent.max_tokens}",
                 )
-            expected = self.ev.expected_pieces
-            if expected is not None and tokens is not None and d.text != "".join(expected[:tokens]):
+            if tokens is not None and not self.is_the_generation(d.text, tokens):
                 self.flag("2", "unary-text", f"non-streamed text {_short(d.text)} is not the generation's")
         else:
             if d.done_count != 1 or d.payloads[-1] != DONE:
@@ -675,17 +689,7 @@ class _Check:
                     "sequence numbers are not gapless from 0 (a loser's events, or ours misnumbered): "
                     f"{numbers}",
                 )
-        expected = self.ev.expected_pieces
-        if expected is not None:
-            n = len(d.content)
-            if n > len(expected) or d.text != "".join(expected[:n]):
-                self.flag(
-                    "2",
-                    "not-a-prefix-of-the-generation",
-                    f"the delivered text ({n} content events) is not a prefix of the one generation "
-                    f"({len(expected)} events): a repeated fragment or another answer: got {_short(d.text)}, "
-                    f"expected {_short(''.join(expected[:n]))}",
-                )
+        self.check_prefix_of_the_generation()
         ends = [
             i
             for i, name in enumerate(stream.names)
@@ -711,8 +715,7 @@ class _Check:
                     f"a non-streamed 200 that is not one complete generation: {_short(json.dumps(d.unary))}, "
                     f"output_tokens {tokens} of {sent.max_tokens}",
                 )
-            expected = self.ev.expected_pieces
-            if expected is not None and tokens is not None and d.text != "".join(expected[:tokens]):
+            if tokens is not None and not self.is_the_generation(d.text, tokens):
                 self.flag("2", "unary-text", f"non-streamed text {_short(d.text)} is not the generation's")
         else:
             stream = d.stream
@@ -1330,6 +1333,28 @@ def simulated_pieces(route: Route, body: dict[str, Any], *, server_seed: int = 0
     request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))
     output = gen.plan_output(request, server_seed)
     return tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in output.pieces)
+
+
+def simulated_variants(
+    route: Route, body: dict[str, Any], fault: str | None, *, server_seed: int = 0
+) -> tuple[tuple[str, ...], ...]:
+    """The generations a simulated replica writes for this request under its fault's `oversize` clauses
+    (content event N's text padded to the clause's size), one per clause."""
+    if not fault or "oversize" not in fault:
+        return ()
+    from router_testbed.sim import generation as gen
+    from router_testbed.sim.faults import DEFAULT_OVERSIZE_BYTES, parse_fault_spec
+
+    kind: gen.Kind = {"chat": "chat", "completions": "completion"}.get(route, route)  # type: ignore[assignment]
+    request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))
+    output = gen.plan_output(request, server_seed)
+    out = []
+    for clause in parse_fault_spec(fault):
+        if clause.action == "oversize" and clause.point.n is not None:
+            size = clause.size or DEFAULT_OVERSIZE_BYTES
+            padded = gen.with_oversize(output, {clause.point.n: size})
+            out.append(tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in padded.pieces))
+    return tuple(out)
 
 
 def records_by_request(records: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -74,6 +74,7 @@ from tests.invariants import (
     outcome_kind,
     records_by_request,
     simulated_pieces,
+    simulated_variants,
     stream_ended,
     unfinished_attempts,
 )
@@ -642,6 +643,7 @@ async def gather_evidence(
             replica_records=by_request.get(s.request_id, []),
             live_replica_pids=live,
             expected_pieces=simulated_pieces(s.route, s.body),
+            variant_pieces=simulated_variants(s.route, s.body, s.fault),
             max_attempts=max_attempts,
         )
         for s, outcome in zip(sent, outcomes, strict=True)

@@ -331,3 +331,15 @@ def test_an_event_over_the_limit_that_reached_the_client_is_named() -> None:
     stream.add("response.output_text.delta", delta="x" * (1 << 20), item_id="msg_0123456789abcdef")
     ev = evidence("responses", stream.completed(3).out, journal("responses", *COMPLETED, 3), max_tokens=3)
     assert "oversized-event-delivered" in checks(ev)
+
+
+def test_a_faults_padded_generation_is_a_generation_too() -> None:
+    """`oversize@token:N` makes the replica write content event N padded: when that event reaches the client
+    (the scanner bug) the check names the oversized event, not a second answer."""
+    from tests.invariants import simulated_pieces, simulated_variants
+
+    body = {"model": "tiny", "input": "fuzz x", "max_output_tokens": 4, "stream": True}
+    [padded] = simulated_variants("responses", body, "oversize@token:2 bytes=2000000 attempt=1")
+    plain = simulated_pieces("responses", body)
+    assert padded[0] == plain[0] and padded[1].startswith(plain[1]) and len(padded[1]) == 2_000_000
+    assert simulated_variants("responses", body, "reset@after:2") == ()
