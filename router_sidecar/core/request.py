@@ -1159,6 +1159,10 @@ class LogicalRequest:
             if self.phase is Phase.DECODE:
                 if event.kind is EventKind.ERROR:
                     return [self._terminate(events[:index], "in-band error event after the first delta")]
+                if event.kind is EventKind.MALFORMED:
+                    # The client's parser would choke on it: it never goes out; the stream ends here.
+                    why = "the replica sent an event that is not a JSON object after the first delta"
+                    return [self._terminate(events[:index], why)]
                 if event.finish_reason == "abort":
                     self._count(event)
                     return [self._terminate(events[: index + 1], "finish_reason abort after the first delta")]

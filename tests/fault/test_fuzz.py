@@ -22,12 +22,6 @@ DEFAULT_TRIALS = 80
 # that a random trial hits now and then. Here they are counted and printed, not failed on (the soak's CLI
 # still fails on them); a check not listed fails the run.
 KNOWN_PRODUCT_BUGS = {
-    "oversized-event-delivered": (
-        "an SSE event over limits.max_event_bytes completed within the chunk that brings it (here: events "
-        "held during the write-ahead, released at once) is forwarded whole after the first content: "
-        "tests/unit/test_sse_event_bound.py, test_api_contract.py::"
-        "test_an_event_a_little_over_the_limit_after_the_first_content_is_cut_too"
-    ),
     "envoy-reply-not-in-the-apis-shape": (
         "Envoy's own 502 in the release race is not replaced by the request's error (OpenAI-shaped on "
         "/v1/messages): test_api_contract.py::test_envoys_own_answer_in_the_release_race_is_in_the_apis_shape"

@@ -244,17 +244,6 @@ OVER_THE_LIMIT_BY_A_LITTLE = 1_200_000  # limits.max_event_bytes is 1 MiB (1_048
 
 
 @over_apis()
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "product bug (core/sse.py SseScanner): after the first content, an event a little over "
-        "limits.max_event_bytes is forwarded whole instead of ending the stream with the terminal event: "
-        "the scanner checks the size only of an event it still holds incomplete (_check_size, _hold), "
-        "never of one it completes (the end found in the chunk that arrives, _feed_held/_scan_lf), so an "
-        "event whose incomplete part never exceeded 1 MiB at a chunk boundary passes, whatever its size "
-        "(tests/unit/test_sse_event_bound.py)"
-    ),
-)
 def test_an_event_a_little_over_the_limit_after_the_first_content_is_cut_too(
     api_fleet: tuple[Api, Fleet],
 ) -> None:

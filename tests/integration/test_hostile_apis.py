@@ -218,18 +218,6 @@ def test_the_replicas_own_failure_after_the_first_content_is_replaced_by_our_ter
 
 
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "product bug (core/request.py, every route): after the first content an event that is not JSON is "
-        "forwarded to the client and counted as content (_count: 'Malformed bytes already on their way to "
-        "the client cannot be proven empty'); the DECODE branch ends the stream only on an error event or "
-        "finish abort, so the client's JSON parser gets the broken event and the stream goes on to a "
-        "'completed' end (journal completed, delivered 4 from usage); tests/invariants.py names it "
-        "unparseable-event (invariant 2). Before the first content the same event fails the attempt "
-        "(malformed_event) and is retried"
-    ),
-)
 def test_an_event_that_is_not_json_after_the_first_content_is_never_forwarded(
     stack: HostileStack, api: str
 ) -> None:
@@ -242,7 +230,8 @@ def test_an_event_that_is_not_json_after_the_first_content_is_never_forwarded(
     opening = 4 if api == "responses" else 2
     prefix = b"".join(hr.api_stream_events(api, end["cid"])[: opening + 1])
     assert_same_bytes(result.body[: len(prefix)], prefix)
-    assert_terminal_event(api, stream, result.request_id, 1, "the replica sent an event that is not JSON")  # type: ignore[arg-type]
+    why = "the replica sent an event that is not a JSON object after the first delta"
+    assert_terminal_event(api, stream, result.request_id, 1, why)  # type: ignore[arg-type]
     journal = stack.finished(result.request_id)
     assert (journal["phase"], journal["delivered_output_tokens"]) == ("interrupted", 1)
 
@@ -285,22 +274,11 @@ BAD_BODIES: dict[str, dict[str, tuple[bytes, int, str]]] = {
         ),
     },
 }
-ENVOY_413_ON_MESSAGES = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "product bug (envoy/gateway.yaml local_reply_config): a body over limits.max_request_body_bytes is "
-        "refused by Envoy itself with the OpenAI-shaped 413 {'error': {'code': 'request_too_large', 'type': "
-        "'gateway_error', ...}} on every route; on /v1/messages it is not Anthropic's {'type': 'error', "
-        "'error': {'type': 'request_too_large', ...}} (docs/records.md lists admission errors in 'the "
-        "OpenAI/vLLM shape plus request_id')"
-    ),
-)
 BAD_CASES = [
     pytest.param(
         api,
         case,
         id=f"{api}-{case}",
-        marks=[ENVOY_413_ON_MESSAGES] if (api, case) == ("messages", "oversize") else [],
     )
     for api, cases in BAD_BODIES.items()
     for case in cases

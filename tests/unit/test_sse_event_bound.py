@@ -23,11 +23,6 @@ def test_an_event_whose_incomplete_part_crosses_the_limit_is_refused() -> None:
     assert scanner.feed(EVENT[1_100_000:]) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: SseScanner never checks the size of an event it completes (core/sse.py _feed_held, "
-    "_scan_lf, _scan_general): a 1.2 MB event arriving whole, or completed by its last chunk, is returned",
-)
 @pytest.mark.parametrize("split", [None, 900_000], ids=["one-chunk", "completed-by-its-last-chunk"])
 def test_an_event_over_the_limit_is_refused_however_it_is_chunked(split: int | None) -> None:
     scanner = SseScanner(max_event_bytes=LIMIT)
