@@ -232,18 +232,8 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
     if picker.fail_open:
         # Envoy 1.40 fails open in full duplex only before the body reached the filter (docs/envoy-facts.md):
         # a picker found down by its gRPC health is not dialled at all (no healthy host, panic threshold 0).
-        interval = _seconds(policy.liveness.static_probe_interval_seconds)
-        cluster["health_checks"] = [
-            {
-                "timeout": _seconds(policy.liveness.static_probe_timeout_seconds),
-                "interval": interval,
-                "no_traffic_interval": interval,
-                "unhealthy_threshold": policy.liveness.static_probe_failures,
-                "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
-            }
-        ]
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+        service = {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+        _health_checked(cluster, policy, {"grpc_health_check": service})
         if picker.health_port is not None:
             (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
             endpoint["endpoint"]["health_check_config"] = {"port_value": picker.health_port}
@@ -272,6 +262,12 @@ def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> Non
     """Static replicas have no registry heartbeat: Envoy stops sending new attempts to one that fails its
     /health (the sidecar probes it too, and fences the attempts it holds), never to one merely slow."""
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
+    _health_checked(cluster, policy, {"http_health_check": {"path": "/health"}})
+
+
+def _health_checked(cluster: dict[str, Any], policy: Policy, check: dict[str, Any]) -> None:
+    """Envoy checks the cluster's hosts as the sidecar probes static replicas (policy `liveness`), and with
+    every host failing answers "no healthy upstream" rather than send to hosts known to be down."""
     interval = _seconds(policy.liveness.static_probe_interval_seconds)
     cluster["health_checks"] = [
         {
@@ -280,11 +276,9 @@ def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> Non
             "no_traffic_interval": interval,
             "unhealthy_threshold": policy.liveness.static_probe_failures,
             "healthy_threshold": 1,
-            "http_health_check": {"path": "/health"},
+            **check,
         }
     ]
-    # With every replica failing, answer "no healthy upstream" (replaced by the request's JSON error) rather
-    # than route to replicas known to be down.
     cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
 
 
