@@ -282,6 +282,19 @@ def test_the_pickers_own_answer_is_our_json_error_and_journaled(
     assert gateway.journal(request_id, {"Authorization": "Bearer someone-else"})[0] == 404
 
 
+def test_a_request_the_picker_shed_can_be_sent_again_with_its_idempotency_key(gateway: Gateway) -> None:
+    """The picker's answer is journaled under the id Envoy made (the client's x-request-id), never under the
+    request's Idempotency-Key, which the gateway did not read: the same key again is a new run, served."""
+    key = f"shed-{secrets.token_hex(6)}"
+    url = f"{gateway.url}/v1/chat/completions"
+    shed = post(url, chat(max_tokens=3), headers={"idempotency-key": key, "test-epp-answer": "429"})
+    assert shed.status == 429 and shed.request_id != key
+    assert rejected(gateway, shed.request_id)["outcome"] == "replicas_overloaded"
+    again = post(url, chat(max_tokens=3), headers={"idempotency-key": key})
+    complete(again, 3)
+    assert again.request_id == key and finished(gateway, key)["outcome"] == "completed"
+
+
 # --- what passes through both filters ---------------------------------------------------------------------
 
 EVENTS = 1000
