@@ -182,6 +182,24 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
     )
 
 
+def rejected_record(request_id: str, *, route: str, outcome: str) -> rec.JournalRecord:
+    """The journal record of a request that no stream of ours saw, answered before it by another filter (an
+    endpoint picker's own 503 or 429, or the picker unreachable): rejected, no attempt, nothing delivered, its
+    input unread (only its route is known). The journal adds the rest as for every record."""
+    return rec.JournalRecord(
+        request_id=request_id,
+        phase=Phase.REJECTED.value,
+        outcome=outcome,
+        attempt=0,
+        first_delta_sent=False,
+        model="",
+        retry_budget=0,
+        delivered_output_tokens=0,
+        delivered_output_tokens_source="content_events",
+        input=rec.InputRecord(route=route),
+    )
+
+
 def journal_view(request: LogicalRequest) -> dict[str, Any]:
     """`journal_record` as JSON-ready data (for tests and tools; the journal adds its own fields first)."""
     return codec.to_dict(journal_record(request))
