@@ -442,16 +442,6 @@ def test_response_trailers_reach_the_client(
     assert picker_record(pick, tag)["response_trailers"] == dict(RESPONSE_TRAILERS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="product bug: at [DONE] the downstream filter ends the client stream with its own end_of_stream "
-    "while Envoy has the replica's response trailers on their way to it; when the request had HTTP/1.1 "
-    "trailers too, the trailers never leave our filter and the picker's full-duplex filter in front waits "
-    "for an end that never comes: the client, which has every byte of the body, waits until a timeout "
-    "(without a picker the trailers are dropped instead). Forwarding [DONE] with the chunk's own "
-    "end_of_stream (the one end then goes with the stream's own end or its trailers) passes them (10 of 10)",
-)
 def test_response_trailers_of_a_request_with_trailers_reach_the_client(
     recording_gateway: tuple[Gateway, PickerProcess], recorders: Recorders
 ) -> None:
