@@ -216,6 +216,7 @@ class FailRequest:
     code: str
     message: str
     retry_after: str | None = None
+    detail: str | None = None  # for the journal's retry_refused: what exactly refused it (a field, a budget)
 
 
 # --- decisions (what the logical request carries on) -------------------------------------------------
@@ -328,7 +329,9 @@ class AttemptReader:
         self, *, max_held_bytes: int, max_event_bytes: int, classify: Classifier = classify_openai
     ) -> None:
         self.held_bytes = 0
-        self.retry_after: str | None = None  # a 429's Retry-After, passed on if no other replica serves it
+        # A 429's or 503's Retry-After: it ejects the replica a while (a 429's goes to the client if no
+        # other replica serves the request).
+        self.retry_after: str | None = None
         self._max_held_bytes = max_held_bytes
         self._streaming = False
         self._scanner = SseScanner(max_event_bytes=max_event_bytes, classify=classify)  # the API's reading
@@ -336,11 +339,12 @@ class AttemptReader:
         self._finished = False  # a finish_reason that means "generation complete" was seen
 
     def headers(self, e: ResponseHeaders) -> Reading:
-        if e.status == 429:
+        if e.status in (429, 503):
             # Seconds or an HTTP-date (29 characters): anything longer is not a Retry-After, and it would be
-            # copied into the journal record and the client's answer.
-            retry_after = e.retry_after if e.retry_after is None or len(e.retry_after) <= 64 else None
-            self.retry_after = retry_after
+            # copied into the journal record and the client's answer. (A 503's only ejects its replica.)
+            self.retry_after = e.retry_after if e.retry_after is None or len(e.retry_after) <= 64 else None
+        if e.status == 429:
+            retry_after = self.retry_after
             return Reading(
                 Kind.HEADERS_FAILED,
                 FailureReason.OVERLOADED,

@@ -9,15 +9,28 @@ never a host tried before). So where an attempt goes is our decision, made here 
 
 * behind an endpoint picker (GAIE's EPP, llm-d) its list comes first, in its order, less the entries that are
   not ours to send to (unknown to the gateway, incompatible with the pinned fingerprint, draining, lost);
-* then our own order of the other usable, compatible replicas: round robin, one step per request.
+* then our own order of the other usable, compatible replicas. Without a picker the first attempt goes round
+  robin, one step per request; the replicas after it (every retry's) are ranked: the longest warm prefix of
+  the prompt first, then the fewest requests in flight, then round robin (`core/placement.py` says which
+  replica is warm and which is overloaded). A replica that announced an overload (Retry-After) is left out;
+  one whose connection just failed goes last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["DRAINING", "PICKER_KEY", "Candidate", "Destinations", "choose", "holder_only", "picker_list"]
+__all__ = [
+    "DRAINING",
+    "PICKER_KEY",
+    "Candidate",
+    "Destinations",
+    "Ranking",
+    "choose",
+    "holder_only",
+    "picker_list",
+]
 
 # The endpoint picker protocol's key (GAIE 004-endpoint-picker-protocol) in dynamic metadata namespace
 # `envoy.lb`: the picker's list, which the gateway replaces with its order of attempts. (The replica that
@@ -39,6 +52,17 @@ class Candidate:
     address: str
     digest: str | None = None  # its compatibility fingerprint (None: a static replica, compatible with all)
     why_not: str = ""  # why no new attempt may go to it now (draining, failing its health checks); "": it may
+    ejected_for: float | None = None  # seconds left of the overload it announced (why_not says so)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """What ranks the replicas after the first attempt's: the prompt's blocks warm on each, their load."""
+
+    blocks: int = 0  # the prompt's blocks
+    warm: Mapping[str, int] = field(default_factory=dict)  # leading blocks of the prompt each replica has
+    in_flight: Mapping[str, int] = field(default_factory=dict)  # this gateway's requests on each
+    demoted: frozenset[str] = frozenset()  # last in the order (their connection just failed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +72,11 @@ class Destinations:
     picker: tuple[str, ...] = ()  # the picker's list as it came
     excluded: tuple[tuple[str, str], ...] = ()  # (address, why) left out of the order
     from_picker: int = 0  # how many entries of `order` (its head) are the picker's
+    prefix_blocks: int = 0  # the prompt's blocks (core/placement.py)
+    # (address, warm blocks, requests in flight) of the entries the gateway ranked, in the order's order
+    ranked: tuple[tuple[str, int, int], ...] = ()
+    # Every usable compatible replica announced an overload: the shortest time left (no attempt is made).
+    overloaded_for: float | None = None
 
     def why(self, address: str) -> str:
         """Why an attempt that went to `address` went there."""
@@ -55,7 +84,11 @@ class Destinations:
             index = self.order.index(address)
             if self.source == HOLDER:
                 return "holder of the stored response it continues"
-            return f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
+            why = f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
+            score = next((r for r in self.ranked if r[0] == address), None)
+            if score is not None:
+                why += f" (warm prefix {score[1]} of {self.prefix_blocks} blocks, {score[2]} in flight)"
+            return why
         return "envoy: past the end of the order, or a replica the order does not name"
 
 
@@ -78,9 +111,11 @@ def choose(
     pinned: str | None,
     picker: Sequence[str] = (),
     turn: int = 0,
+    ranking: Ranking | None = None,
 ) -> Destinations:
     """The order of attempts: the picker's usable, compatible entries in its order, then the other usable,
-    compatible candidates round robin from `turn`."""
+    compatible candidates: without a picker the first round robin from `turn`, then the rest ranked."""
+    ranking = ranking or Ranking()
     known = {c.address: c for c in candidates}
     excluded: dict[str, str] = {}
 
@@ -102,9 +137,42 @@ def choose(
     if rest:
         step = turn % len(rest)
         rest = rest[step:] + rest[:step]
-    source = PICKER_THEN_GATEWAY if from_picker and rest else PICKER if from_picker else GATEWAY
-    order = tuple(from_picker + rest)
-    return Destinations(order, source, tuple(picker), tuple(excluded.items()), from_picker=len(from_picker))
+    head: list[str] = []
+    if not from_picker and rest:
+        # The first attempt: round robin, a demoted replica only when there is no other.
+        head = [next((a for a in rest if a not in ranking.demoted), rest[0])]
+        rest.remove(head[0])
+    position = {a: i for i, a in enumerate(rest)}
+    rest.sort(
+        key=lambda a: (
+            a in ranking.demoted,
+            -ranking.warm.get(a, 0),
+            ranking.in_flight.get(a, 0),
+            position[a],
+        )
+    )
+    ranked = tuple((a, ranking.warm.get(a, 0), ranking.in_flight.get(a, 0)) for a in rest)
+    gateway = head + rest
+    source = PICKER_THEN_GATEWAY if from_picker and gateway else PICKER if from_picker else GATEWAY
+    order = tuple(from_picker + gateway)
+    overloaded_for = None
+    if not order:
+        ejected = [
+            c.ejected_for
+            for c in candidates
+            if c.ejected_for is not None and (pinned is None or c.digest in (None, pinned))
+        ]
+        overloaded_for = min(ejected) if ejected else None
+    return Destinations(
+        order,
+        source,
+        tuple(picker),
+        tuple(excluded.items()),
+        from_picker=len(from_picker),
+        prefix_blocks=ranking.blocks,
+        ranked=ranked if ranking.blocks else (),
+        overloaded_for=overloaded_for,
+    )
 
 
 def holder_only(

@@ -48,10 +48,13 @@ class Outcome(enum.StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     RETRIES_EXHAUSTED = "retries_exhausted"  # every allowed attempt failed before content
     RETRY_NOT_ALLOWED = "retry_not_allowed"  # cost cap, policy, or no journal to prove a retry safe
-    RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"  # Envoy's cluster retry budget refused the retry
+    RETRY_BUDGET_EXHAUSTED = (
+        "retry_budget_exhausted"  # the cluster's or the tenant's retry budget refused a retry
+    )
     REPLICAS_OVERLOADED = "replicas_overloaded"  # the last allowed attempt got 429 (or a picker shed it)
     FENCE_UNPROVABLE = "fence_unprovable"
     NO_COMPATIBLE_REPLICA = "no_compatible_replica"
+    STORED_RESPONSE_UNAVAILABLE = "stored_response_unavailable"  # the replica holding it cannot be reached
     NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy (or an endpoint picker) found no host to send to
     ENDPOINT_PICKER_UNAVAILABLE = "endpoint_picker_unavailable"  # the picker could not be asked (fail-closed)
     UPSTREAM_ERROR = "upstream_error"

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -55,6 +56,8 @@ class ParsedRequest:
     # own response is to be stored (`store`, true unless the client says false) where it is made.
     previous_response_id: str | None = None
     stores_response: bool = False
+    # Chained hashes of the prompt's blocks: where it is warm (core/placement.py).
+    prefix_blocks: tuple[int, ...] = ()
 
 
 # Request ids, idempotency keys and stored response ids: what may appear in an etcd key segment and a header.
@@ -182,6 +185,48 @@ def _prompt_count(prompt: Any) -> int:
     return 1
 
 
+# Parts of a request body that make up its prompt, in the order the engines' templates put them first.
+_PROMPT_KEYS: dict[str, tuple[str, ...]] = {
+    "chat.completions": ("tools", "functions", "messages"),
+    "completions": ("prompt",),
+    "responses": ("tools", "instructions", "input"),
+    "messages": ("tools", "system", "messages"),
+}
+
+
+def prompt_blocks(
+    route: str, request: Mapping[str, Any], *, block_bytes: int, max_blocks: int
+) -> tuple[int, ...]:
+    """Chained hashes of the prompt's whole `block_bytes` blocks (its first `max_blocks`). The text is the
+    model and the prompt's parts, each list item on a line of its own, so a conversation that grows by turns
+    keeps its earlier blocks; a trailing part-block is left out (it changes as the prompt grows)."""
+    parts: list[bytes] = [str(request.get("model", "")).encode()]
+    for key in _PROMPT_KEYS.get(route, ()):
+        value = request.get(key)
+        if value is None:
+            continue
+        items = value if isinstance(value, list) and key != "prompt" else [value]
+        parts.append(key.encode())
+        parts += [_canonical(item) for item in items]
+    text = b"\n".join(parts)
+    count = min(len(text) // block_bytes, max_blocks)
+    blocks: list[int] = []
+    previous = b""
+    for i in range(count):
+        digest = hashlib.blake2b(
+            previous + text[i * block_bytes : (i + 1) * block_bytes], digest_size=8
+        ).digest()
+        blocks.append(int.from_bytes(digest))
+        previous = digest
+    return tuple(blocks)
+
+
+def _canonical(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # A model name is copied into the journal record (twice) and the telemetry: bounded, so that no request can
 # make its record too large for etcd (1.5 MiB per request). Hugging Face ids and served names are far shorter.
 MAX_MODEL_NAME_CHARS = 1024
@@ -194,6 +239,8 @@ def parse_request(
     max_body_bytes: int,
     max_json_depth: int = 64,
     known_models: frozenset[str] | None = None,
+    prefix_block_bytes: int = 256,
+    prefix_max_blocks: int = 512,
 ) -> ParsedRequest:
     """Validate a request body; raise :class:`RequestRejected` with what is wrong and what to do."""
     if len(body) > max_body_bytes:
@@ -362,6 +409,9 @@ def parse_request(
         stateful=stateful,
         previous_response_id=previous or None,
         stores_response=stores_response,
+        prefix_blocks=prompt_blocks(
+            kind.value, req, block_bytes=prefix_block_bytes, max_blocks=prefix_max_blocks
+        ),
     )
 
 

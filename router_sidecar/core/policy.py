@@ -39,6 +39,7 @@ __all__ = [
     "Limits",
     "LivenessPolicy",
     "OnUpstreamFailure",
+    "Placement",
     "Policy",
     "PolicyError",
     "PolicyKey",
@@ -218,6 +219,59 @@ class Budgets:
     min_retry_concurrency: int = field(
         default=3,
         metadata=_key("Envoy retry_budget floor: this many concurrent retries are always allowed", lo=0),
+    )
+    # A tenant's own share, counted by the sidecar: a tenant whose requests all fail before content holds at
+    # most this share of its own requests in retry, so it cannot spend the retries other tenants need.
+    tenant_retry_budget_percent: float = field(
+        default=50.0,
+        metadata=_key(
+            "a tenant's requests in retry at once: at most this % of its own requests in flight", lo=0, hi=100
+        ),
+    )
+    tenant_min_retry_concurrency: int = field(
+        default=2,
+        metadata=_key("a tenant may always have this many requests in retry at once", lo=0),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where retries land (docs/design.md#where-attempts-go): onto a replica warm for the prompt's prefix,
+    away from one that said it is overloaded."""
+
+    prefix_block_bytes: int = field(
+        default=256,
+        metadata=_key("the prompt is hashed in blocks of this many bytes (~64 tokens)", lo=16, hi=65536),
+    )
+    prefix_max_blocks: int = field(
+        default=512, metadata=_key("blocks of a prompt considered (its first ones)", lo=1, hi=8192)
+    )
+    prefix_blocks_per_replica: int = field(
+        default=16384,
+        metadata=_key("prefix blocks remembered per replica (least recently served forgotten first)", lo=1),
+    )
+    # vLLM and SGLang evict KV-cache blocks by LRU under load; minutes is the order of their lifetime.
+    prefix_ttl_seconds: float = field(
+        default=300.0,
+        metadata=_key(
+            "a replica's prefix block counts as warm this long after it served it", lo=0, open_lo=True
+        ),
+    )
+    max_retry_after_seconds: float = field(
+        default=60.0,
+        metadata=_key(
+            "a replica's 429/503 with Retry-After takes it out of the attempts' order this long at most",
+            lo=0,
+            hi=3600,
+        ),
+    )
+    connect_failure_seconds: float = field(
+        default=2.0,
+        metadata=_key(
+            "a replica whose connection failed before a request was sent goes last in the order this long",
+            lo=0,
+            hi=600,
+        ),
     )
 
 
@@ -456,6 +510,7 @@ class Policy:
 
     on_upstream_failure: OnUpstreamFailure = field(default_factory=OnUpstreamFailure)
     budgets: Budgets = field(default_factory=Budgets)
+    placement: Placement = field(default_factory=Placement)
     reprefill_cost_cap: CostCap = field(default_factory=CostCap)
     deadlines: Deadlines = field(default_factory=Deadlines)
     upstream_connections: UpstreamConnections = field(default_factory=UpstreamConnections)

@@ -40,10 +40,11 @@ from router_sidecar.core.attempt import (
     TriggerRetry,
     is_event_stream,
 )
-from router_sidecar.core.destinations import Destinations
+from router_sidecar.core.destinations import HOLDER, Destinations
 from router_sidecar.core.dialects import Dialect, dialect_for
 from router_sidecar.core.events import Event, EventName, Outcome
 from router_sidecar.core.openai_api import ParsedRequest
+from router_sidecar.core.placement import Placement
 from router_sidecar.core.policy import FAIL, Policy
 from router_sidecar.core.sse import AbortScan, EventKind, SseEvent, SseScanner, UsageTail
 
@@ -113,6 +114,17 @@ class DuplicateRun:
 
 
 ClientError = FailRequest | DuplicateRun
+
+
+def holder_unavailable(response_id: str | None, holder: str, why: str) -> FailRequest:
+    """The error of a request on a stored response whose holder cannot serve it (docs/errors.md)."""
+    return FailRequest(
+        503,
+        Outcome.STORED_RESPONSE_UNAVAILABLE,
+        f"the response {response_id} is stored on replica {holder}, which {why}; it exists nowhere else. "
+        "Try again if that replica may come back, or start over without it",
+    )
+
 
 # --- inputs (named by cause) -------------------------------------------------------------------------
 
@@ -513,7 +525,15 @@ class _Attempts:
 
 
 class LogicalRequest:
-    def __init__(self, *, request_id: str, tenant: str, parsed: ParsedRequest, policy: Policy) -> None:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        tenant: str,
+        parsed: ParsedRequest,
+        policy: Policy,
+        placement: Placement | None = None,
+    ) -> None:
         self.request_id = request_id
         self.tenant = tenant
         self.parsed = parsed
@@ -534,6 +554,10 @@ class LogicalRequest:
         self.final: FailRequest | None = None  # the refusal that ended the request (every later attempt's)
         self.duplicate: DuplicateRun | None = None  # the claim's refusal
         self.envoy_attempts: int | None = None  # as Envoy counts them (a response attribute, its access log)
+        # The gateway's memory of where attempts went (prefixes, overloads, each tenant's retries): told as
+        # attempts start and fail, asked before a retry is given.
+        self.placement = placement
+        self.retries_given = 0
         self._waiting = _Attempts()
         self._headers_waiting: ResponseStarted | None = None
         if parsed.stateful is not None:
@@ -560,6 +584,8 @@ class LogicalRequest:
             estimated_prompt_tokens=parsed.estimated_prompt_tokens,
             retry_allowed=self.retry_blocked is None,
         )
+        if placement is not None:
+            placement.admitted(self)
 
     # --- derived facts ---------------------------------------------------------------------------------
 
@@ -743,6 +769,8 @@ class LogicalRequest:
         for attempt_id, replica in noted:
             attempt = self._new_attempt(attempt_id, replica, leased=False)
             attempt.handle(a.NeverSent())  # no decisions: no stream, no lease, no verdict
+            if self.placement is not None and replica != "unknown":
+                self.placement.unreachable(replica)
 
     def _admit_waiting(self) -> list[Decision]:
         """Admit, hold or refuse the attempts Envoy started, in order. A retry needs the claim settled, the
@@ -818,6 +846,8 @@ class LogicalRequest:
             return [DiscardLease(e.lease)]  # its stream went meanwhile: no attempt on record
         attempt = self._new_attempt(e.attempt_id, arrival.replica)
         attempt.lease = e.lease
+        if self.placement is not None:
+            self.placement.attempt_sent(arrival.replica, self.parsed.prefix_blocks)
         w.lease_ttl[e.attempt_id] = e.ttl_seconds
         if not e.replica_side:
             w.connection_only.add(e.attempt_id)
@@ -872,6 +902,7 @@ class LogicalRequest:
                     503,
                     Outcome.NO_COMPATIBLE_REPLICA,
                     f"no compatible replica is left to retry on: {e.no_compatible_replica}",
+                    detail=e.no_compatible_replica,
                 )
             )
         else:
@@ -929,6 +960,8 @@ class LogicalRequest:
 
     def _verdict(self, attempt: Attempt, failed: a.Failed) -> list[Decision]:
         """The fate of a failed attempt: another attempt, or one error for the client."""
+        if self.placement is not None and attempt.status is not None:
+            self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
         verdict: TriggerRetry | FailRequest
         if self.final is not None:
             verdict = self.final
@@ -979,7 +1012,19 @@ class LogicalRequest:
             decisions.append(FailNow(verdict))
         return decisions
 
-    def _retry(self, attempt: Attempt, failed: a.Failed) -> TriggerRetry:
+    def _retry(self, attempt: Attempt, failed: a.Failed) -> TriggerRetry | FailRequest:
+        refusal = self.placement.retry_refusal(self) if self.placement is not None else None
+        if refusal is not None:
+            return self._end_with(
+                FailRequest(
+                    503,
+                    Outcome.RETRY_BUDGET_EXHAUSTED,
+                    f"attempt {attempt.number} failed before any content and the tenant's retry budget "
+                    f"refused the retry ({refusal.removeprefix('tenant budget: ')})",
+                    detail=refusal,
+                )
+            )
+        self.retries_given += 1
         self._emit(EventName.RETRY_TRIGGERED, attempt.number, reason=failed.reason.value)
         return TriggerRetry(failed.reason.value)
 
@@ -990,7 +1035,8 @@ class LogicalRequest:
         """Refuse every further attempt with `verdict` and end the logical request with it."""
         if self.final is None:
             self.final = verdict
-            self._emit(EventName.RETRY_REFUSED, len(self.attempts) or None, reason=verdict.code)
+            detail = {"detail": verdict.detail} if verdict.detail else {}
+            self._emit(EventName.RETRY_REFUSED, len(self.attempts) or None, reason=verdict.code, **detail)
             self._finish(Phase.FAILED, Outcome(verdict.code))
         return self.final
 
@@ -1099,11 +1145,19 @@ class LogicalRequest:
                     503,
                     Outcome.NO_COMPATIBLE_REPLICA,
                     f"no compatible replica is left to send the request to: {e.no_compatible_replica} {said}",
+                    detail=e.no_compatible_replica,
                 )
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no healthy replica was available {said}")
         if attempts == 0 and not self.envoy_attempts:
             return FailRequest(503, Outcome.NO_REPLICA_AVAILABLE, f"no replica could be reached {said}")
         told = self._attempts_told(e.flags)
+        destinations = self.destinations
+        if self.counted == 0 and destinations is not None and destinations.source == HOLDER:
+            return holder_unavailable(
+                self.parsed.previous_response_id,
+                destinations.order[0],
+                f"could not be reached: {told} {said}",
+            )
         if self.counted == 0:
             # Every attempt died at its connection (refused, or closed before its request was sent).
             return FailRequest(

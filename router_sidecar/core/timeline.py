@@ -188,7 +188,10 @@ def _describe(event: Mapping[str, Any]) -> tuple[str, str]:
             why = g("reason") or g("code") or g("detail") or _extras(event)
             return f"rejected: {_clean(why)}", _BAD
         case EventName.ATTEMPT_STARTED:
-            return f"started on {_clean(g('replica'), 80)}", ""
+            text = f"started on {_clean(g('replica'), 80)}"
+            if g("reason"):
+                text += f": {_clean(g('reason'), 100)}"  # why there (destinations)
+            return text, ""
         case EventName.ATTEMPT_FAILED:
             text = f"failed: {_clean(g('reason'), 60)}"
             if g("detail"):
@@ -201,7 +204,10 @@ def _describe(event: Mapping[str, Any]) -> tuple[str, str]:
         case EventName.RETRY_TRIGGERED:
             return f"retry triggered: {_clean(g('reason'), 80)}", _WARN
         case EventName.RETRY_REFUSED:
-            return f"retry refused: {_clean(g('reason'), 80)}", _BAD
+            text = f"retry refused: {_clean(g('reason'), 80)}"
+            if g("detail"):
+                text += f" ({_clean(g('detail'))})"  # the differing field, the budget that ran out
+            return text, _BAD
         case EventName.FIRST_DELTA_SENT:
             return "first delta sent to the client", _GOOD
         case EventName.RESPONSE_PASSED_THROUGH:

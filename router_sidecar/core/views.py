@@ -51,6 +51,11 @@ def destinations_record(destinations: Destinations | None) -> rec.DestinationsRe
         order=destinations.order,
         picker=destinations.picker,
         excluded=[rec.ExcludedReplica(replica=a, why=why) for a, why in destinations.excluded],
+        prefix_blocks=destinations.prefix_blocks or None,
+        ranked=[
+            rec.RankedReplica(replica=a, warm_blocks=warm, in_flight=load)
+            for a, warm, load in destinations.ranked
+        ],
     )
 
 
@@ -125,8 +130,13 @@ def rejection_body(rejected: RequestRejected, request_id: str, shape: ErrorShape
     return rejected.body(request_id)
 
 
+# The number of attempts that reached a replica for the request (never where they went).
+ATTEMPTS_HEADER = "x-router-attempts"
+
+
 def request_id_headers(request: LogicalRequest) -> list[tuple[str, str]]:
-    return id_headers(request.request_id, request.dialect.errors)
+    """The headers of every answer to a request: its id, and how many attempts reached a replica."""
+    return [*id_headers(request.request_id, request.dialect.errors), (ATTEMPTS_HEADER, str(request.counted))]
 
 
 def id_headers(request_id: str, shape: ErrorShape) -> list[tuple[str, str]]:

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -27,6 +28,7 @@ from router_sidecar.core import request as r
 from router_sidecar.core import views
 from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, holder_only, picker_list
 from router_sidecar.core.dialects import ErrorShape, dialect_for
+from router_sidecar.core.events import Outcome
 from router_sidecar.core.openai_api import RequestRejected
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
@@ -175,6 +177,8 @@ class Inference(PassThrough):
                 body,
                 max_body_bytes=policy.limits.max_request_body_bytes,
                 max_json_depth=policy.limits.max_json_depth,
+                prefix_block_bytes=services.policy.placement.prefix_block_bytes,
+                prefix_max_blocks=services.policy.placement.prefix_max_blocks,
             )
         except RequestRejected as rejected:
             return m.immediate(
@@ -182,7 +186,13 @@ class Inference(PassThrough):
                 views.rejection_body(rejected, request_id, self._shape),
                 extra_headers=views.id_headers(request_id, self._shape),
             )
-        request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
+        request = r.LogicalRequest(
+            request_id=request_id,
+            tenant=self._tenant,
+            parsed=parsed,
+            policy=policy,
+            placement=services.placement,
+        )
         destinations = await self._destinations(request)
         if isinstance(destinations, m.ProcessingResponse):
             return destinations
@@ -244,7 +254,23 @@ class Inference(PassThrough):
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             _pin(request, pinned)
         turn = next(services.turns)
-        return choose(candidates, pinned=request.fingerprint_digest, picker=self._picker, turn=turn)
+        candidates, ranking = services.placement.ranking(candidates, parsed.prefix_blocks)
+        destinations = choose(
+            candidates, pinned=request.fingerprint_digest, picker=self._picker, turn=turn, ranking=ranking
+        )
+        if destinations.overloaded_for is not None:
+            # Every replica it could go to said it is overloaded, for a while yet: no attempt is made.
+            retry_after = max(1, math.ceil(destinations.overloaded_for))
+            return _error(
+                429,
+                Outcome.REPLICAS_OVERLOADED.value,
+                f"every replica that serves model {parsed.model!r} answered 429 or 503 with Retry-After "
+                f"(overloaded); the first is back in {retry_after} s: try again then",
+                request_id,
+                shape=self._shape,
+                headers=(("retry-after", str(retry_after)), (views.ATTEMPTS_HEADER, "0")),
+            )
+        return destinations
 
     async def _decided(self, event: r.Input) -> r.Decision:
         """Feed `event` and wait for the machine's reply to the message it came with (now, or once what it
@@ -416,14 +442,8 @@ def _holder_unavailable(
     request_id: str | None,
     shape: ErrorShape = ErrorShape.OPENAI,
 ) -> m.ProcessingResponse:
-    return _error(
-        503,
-        "stored_response_unavailable",
-        f"the response {response_id} is stored on replica {holder}, which {why}; it exists nowhere else. "
-        "Try again if that replica may come back, or start over without it",
-        request_id,
-        shape=shape,
-    )
+    error = r.holder_unavailable(response_id, holder, why)
+    return _error(error.status, error.code, error.message, request_id, shape=shape)
 
 
 def _pin(request: r.LogicalRequest, replica: Replica) -> None:

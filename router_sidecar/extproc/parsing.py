@@ -34,10 +34,23 @@ class RequestParser:
         self._pool.submit(int)  # warm it up: the first large body should not pay for the start
 
     async def parse(
-        self, kind: RouteKind, body: bytes, *, max_body_bytes: int, max_json_depth: int
+        self,
+        kind: RouteKind,
+        body: bytes,
+        *,
+        max_body_bytes: int,
+        max_json_depth: int,
+        prefix_block_bytes: int = 256,
+        prefix_max_blocks: int = 512,
     ) -> ParsedRequest:
         parse = functools.partial(
-            parse_request, kind, body, max_body_bytes=max_body_bytes, max_json_depth=max_json_depth
+            parse_request,
+            kind,
+            body,
+            max_body_bytes=max_body_bytes,
+            max_json_depth=max_json_depth,
+            prefix_block_bytes=prefix_block_bytes,
+            prefix_max_blocks=prefix_max_blocks,
         )
         if len(body) <= self._inline_bytes or len(body) > max_body_bytes:
             return parse()

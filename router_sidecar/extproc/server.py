@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 
 import grpc
 
@@ -19,6 +20,7 @@ from router_sidecar.coordination.registry_store import ReplicaRegistry
 from router_sidecar.coordination.store import Store
 from router_sidecar.coordination.tenancy import load_tenant_secret
 from router_sidecar.coordination.tool_ledger import ToolLedger
+from router_sidecar.core.placement import Placement
 from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.access_log import AccessLogServicer
 from router_sidecar.extproc.discovery import EndpointDiscovery
@@ -138,6 +140,7 @@ class SidecarServer:
             discovery=discovery,
             gateway_id=gateway_id,
             parser=RequestParser(),
+            placement=Placement(policy, clock=time.monotonic, wall_clock=time.time),
             telemetry=telemetry,
         )
         wire_services.add_external_processor(self._server, ExternalProcessor(services))

@@ -12,6 +12,7 @@ from router_sidecar.coordination.liveness import LivenessMonitor
 from router_sidecar.coordination.progress import ProgressMonitor
 from router_sidecar.coordination.readiness import Readiness
 from router_sidecar.coordination.tool_ledger import ToolLedger
+from router_sidecar.core.placement import Placement
 from router_sidecar.core.policy import Policy, RoutePolicies
 from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
@@ -32,6 +33,7 @@ class Services:
     discovery: bool  # replicas come from the registry (EDS): pin each request to a compatibility group
     gateway_id: str
     parser: RequestParser  # large request bodies are parsed in a worker process
+    placement: Placement  # warm prefixes, overloaded replicas, tenants' retries (core/placement.py)
     tenant_secret: bytes = b""  # keys the credential digests; loaded at start (coordination/tenancy.py)
     telemetry: Telemetry = field(default_factory=Telemetry)  # spans and metrics (no-op unless configured)
     # Each request's turn in the gateway's own round robin over the replicas (core/destinations.py).

@@ -67,16 +67,30 @@ class StoredResponseRecord(_message.Message):
     def __init__(self, id: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class DestinationsRecord(_message.Message):
-    __slots__ = ("source", "order", "picker", "excluded")
+    __slots__ = ("source", "order", "picker", "excluded", "prefix_blocks", "ranked")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     PICKER_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANKED_FIELD_NUMBER: _ClassVar[int]
     source: str
     order: _containers.RepeatedScalarFieldContainer[str]
     picker: _containers.RepeatedScalarFieldContainer[str]
     excluded: _containers.RepeatedCompositeFieldContainer[ExcludedReplica]
-    def __init__(self, source: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., picker: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedReplica, _Mapping]]] = ...) -> None: ...
+    prefix_blocks: int
+    ranked: _containers.RepeatedCompositeFieldContainer[RankedReplica]
+    def __init__(self, source: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., picker: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedReplica, _Mapping]]] = ..., prefix_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedReplica, _Mapping]]] = ...) -> None: ...
+
+class RankedReplica(_message.Message):
+    __slots__ = ("replica", "warm_blocks", "in_flight")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    warm_blocks: int
+    in_flight: int
+    def __init__(self, replica: _Optional[str] = ..., warm_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class ExcludedReplica(_message.Message):
     __slots__ = ("replica", "why")

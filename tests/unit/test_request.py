@@ -788,7 +788,11 @@ def test_response_of_no_released_attempt_is_replaced(
     ]
     assert events[0].attempt == (attempts or None)
     assert events[0].detail == {"status": 503, "response_flags": sorted(flags), "details": details}
-    assert events[1].detail == {"reason": code.value}
+    refused = {"reason": code.value}
+    if code is Outcome.NO_COMPATIBLE_REPLICA:
+        refused["detail"] = verdict.detail  # what differs, as the client's message says
+        assert verdict.detail and verdict.detail in verdict.message
+    assert events[1].detail == refused
     assert events[2].detail == {"outcome": code.value}
     body = json.loads(views.error_body(request, verdict))["error"]
     assert (body["code"], body["request_id"], body["partial_output"]) == (code.value, RID, False)

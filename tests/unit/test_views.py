@@ -136,8 +136,9 @@ def test_error_headers() -> None:
     request = new_request()
     plain = FailRequest(502, Outcome.RETRIES_EXHAUSTED, "x")
     overloaded = FailRequest(429, Outcome.REPLICAS_OVERLOADED, "x", retry_after="30")
-    assert views.error_headers(request, plain) == [("x-request-id", RID)]
-    assert views.error_headers(request, overloaded) == [("x-request-id", RID), ("retry-after", "30")]
+    ids = [("x-request-id", RID), ("x-router-attempts", "0")]  # no attempt reached a replica yet
+    assert views.error_headers(request, plain) == ids
+    assert views.error_headers(request, overloaded) == [*ids, ("retry-after", "30")]
 
 
 def test_error_body_is_bounded_json_whatever_the_message() -> None:
