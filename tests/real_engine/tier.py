@@ -308,19 +308,28 @@ class Landed:
 
 
 def stream_until_routed_to(
-    victim: R, gateway: Gateway, replicas: dict[str, R], *, max_tokens: int, id_prefix: str, join: float
+    victim: R,
+    gateway: Gateway,
+    replicas: dict[str, R],
+    *,
+    max_tokens: int,
+    id_prefix: str,
+    join: float,
+    start: Callable[[dict[str, str]], Streamed] | None = None,
 ) -> Landed | None:
-    """Start chats in the background, one at a time, until one's first attempt goes to `victim` (round
-    robin: within two); those served elsewhere get `join` seconds to finish. None if four did not."""
+    """Start chats (or whatever `start(headers)` streams: the headers name the request) in the background, one
+    at a time, until one's first attempt goes to `victim` (round robin: within two); those served elsewhere
+    get `join` seconds to finish. None if four did not."""
+
+    def chat(headers: dict[str, str]) -> Streamed:
+        return stream_chat(
+            gateway.url, max_tokens=max_tokens, headers=headers, stream_options=CONTINUOUS_USAGE
+        )
+
     for _ in range(4):
         request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
         thread, box = in_background(
-            lambda rid=request_id: stream_chat(  # type: ignore[misc]
-                gateway.url,
-                max_tokens=max_tokens,
-                headers={"Idempotency-Key": rid},
-                stream_options=CONTINUOUS_USAGE,
-            )
+            lambda rid=request_id: (start or chat)({"Idempotency-Key": rid})  # type: ignore[misc]
         )
         first = poll(
             lambda rid=request_id: replica_of(gateway, rid, replicas),  # type: ignore[misc]
@@ -346,9 +355,10 @@ def stopped(pid: int) -> Iterator[None]:
 
 @dataclass
 class AtFirstDelta(Generic[R]):
-    """An `on_chunk` for stream_chat: at the stream's first content delta, once, `act` on the replica that
-    serves it (found in the journal), then let the client read on. The replica lands in `acted`, the time
-    after `act` in `acted_at`.
+    """An `on_chunk` for stream_chat (or an `on_event` of the Responses and Messages clients, with their
+    `is_content`): at the stream's first content delta, once, `act` on the replica that serves it (found in
+    the journal), then let the client read on. The replica lands in `acted`, the time after `act` in
+    `acted_at`.
 
     With `freeze`, every replica's process group is stopped first, so that no further token is generated
     while the serving one is looked up; after `act` the others go on, and the serving one too if
@@ -359,11 +369,12 @@ class AtFirstDelta(Generic[R]):
     act: Callable[[R], None]
     freeze: bool = False
     thaw_served: bool = False
+    is_content: Callable[[Any], bool] = chunk_has_content
     acted: list[R] = field(default_factory=list)
     acted_at: list[float] = field(default_factory=list)
 
     def __call__(self, chunk: Any, so_far: Streamed) -> bool:
-        if not self.acted and chunk_has_content(chunk):
+        if not self.acted and self.is_content(chunk):
             if self.freeze:
                 for replica in self.replicas.values():
                     replica.signal_group(signal.SIGSTOP)
