@@ -58,8 +58,8 @@ from tests.real_engine.tier import (
 APIS = ["responses", "messages"]
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 # Greedy, so that two runs of a request give the same text (the clean tests compare the gateway's stream with
-# vLLM's own); on the Responses API vLLM also takes `ignore_eos` (its Messages API does not: the tiny model's
-# greedy text for this prompt reaches max_tokens, measured).
+# vLLM's own), and the long ones run to their limit; on the Responses API vLLM also takes `ignore_eos` (its
+# Messages API does not: the tiny model's greedy text for this prompt reaches max_tokens, measured).
 GREEDY = {"responses": {"temperature": 0, "ignore_eos": True}, "messages": {"temperature": 0}}
 LONG = 1000
 
@@ -219,7 +219,7 @@ def test_client_disconnect_aborts_the_request_in_vllm(
     # simply completed. Not this test's case: again, a bounded number of times.
     for _ in range(3):
         received_before = {n: len(r.received_request_ids()) for n, r in up.items()}
-        result = STREAM[api](gateway.url, max_tokens=LONG, on_event=leave_after(api, 3))
+        result = STREAM[api](gateway.url, max_tokens=LONG, on_event=leave_after(api, 3), body=GREEDY[api])
         assert result.error is None and result.request_id, repr(result.error)
         journal = terminal_journal(gateway, result.request_id)
         if journal["phase"] != "completed":
@@ -412,7 +412,9 @@ def test_worker_killed_after_first_content_gives_prefix_then_reset_or_one_termin
         # the whole answer was generated: then it is complete, not this test's case; again (bounded).
         for _ in range(3):
             act.acted.clear()
-            result = STREAM[api](gateway.url, max_tokens=LONG, on_event=act, read_timeout=30)
+            result = STREAM[api](
+                gateway.url, max_tokens=LONG, on_event=act, read_timeout=30, body=GREEDY[api]
+            )
             assert act.acted, f"the {api} stream never delivered content: {result.status} {result.error!r}"
             journal = terminal_journal(gateway, result.request_id)
             if journal["phase"] != "completed":
@@ -454,7 +456,9 @@ def test_frozen_after_first_content_ends_with_one_terminal_event_in_the_apis_sha
             act = AtFirstDelta(gateway, up, lambda replica: None, freeze=True, is_content=sdk_content(api))
             for _ in range(3):
                 act.acted.clear()
-                result = STREAM[api](gateway.url, max_tokens=LONG, on_event=act, read_timeout=60)
+                result = STREAM[api](
+                    gateway.url, max_tokens=LONG, on_event=act, read_timeout=60, body=GREEDY[api]
+                )
                 ended_after = time.monotonic() - act.acted_at[0] if act.acted_at else None
                 assert act.acted, (
                     f"the {api} stream never delivered content: {result.status} {result.error!r}"
