@@ -272,15 +272,19 @@ _ID = re.compile(r"^(resp|msg|chatcmpl|fc|rs|call|ctc)([-_])[A-Za-z0-9_-]+$")
 
 def normalized(api: str, events: list[Named]) -> tuple[list[Any], str]:
     """A stream without what differs between two runs of the same greedy request: its ids (`resp_…`,
-    `msg_…`, `chatcmpl-…`), timestamps, sequence numbers, and how its text was cut into delta events (the
-    engine coalesces tokens when its reader lags). Returns the other events and the text of the deltas."""
+    `msg_…`, `chatcmpl-…`), timestamps, prefix-cache hits, sequence numbers, and how its text was cut into
+    delta events (the engine coalesces tokens when its reader lags). Returns the other events and the text of
+    the deltas."""
 
     def norm(value: Any, key: str | None = None) -> Any:
         if isinstance(value, dict):
             return {k: norm(v, k) for k, v in value.items() if k != "sequence_number"}
         if isinstance(value, list):
             return [norm(v) for v in value]
-        if key == "created_at":
+        if key in (
+            "created_at",
+            "cached_tokens",
+        ):  # a clock; the prefix cache's hits (SGLang: the same prompt)
             return type(value).__name__
         if isinstance(value, str) and (m := _ID.match(value)):
             return m.group(1) + m.group(2) + "…"
