@@ -9,8 +9,11 @@ the replica that holds the response, and with that replica killed the client is 
 The tier's two replicas, restarted once (both at once) for this module with vLLM's Responses store on
 (`VLLM_ENABLE_RESPONSES_API_STORE=1`, vllm/envs.py; without it vLLM keeps nothing and any follow-up is its own
 404). The module runs after test_vllm_gateway.py (file order), whose last test leaves a replica stopped, so
-one of the two starts was due anyway. Then: the non-destructive tests; the faults, each restarting in the
-background what it killed; last the frozen replicas, which the tier's teardown stops.
+one of the two starts was due anyway. Then the non-destructive tests; the worker of a killed before the first
+content (a started again in the background); the holder killed (b, the one serving meanwhile); after the first
+content, a Responses and a Messages stream at once on the replica standing: its worker killed (the other one
+started again meanwhile), then the last one frozen. Three rounds of starts: at the module's start, a and b
+overlapping, and the second test after the first content waiting for its replica.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from tests.real_engine.apis import (
     WHOLE,
     assert_completed,
     assert_prefix_then_reset_or_terminal_event,
-    content_count,
     direct_events,
     leave_after,
     normalized,
@@ -44,11 +46,14 @@ from tests.real_engine.client import Streamed, named_events
 from tests.real_engine.conftest import RESTART_TIMEOUT, TierVllmReplica
 from tests.real_engine.tier import (
     AUTH,
-    AtFirstDelta,
     Landed,
+    Together,
+    freeze_at_first_content,
     gateway_to,
     replica_of,
+    results_of,
     serving_attempt,
+    start_together,
     stopped,
     stream_until_routed_to,
     terminal_journal,
@@ -360,8 +365,7 @@ def test_with_the_holder_killed_a_follow_up_is_told_so_not_given_a_404(
     print(f"\nreal_engine: follow-ups after the holder {holder.name} was killed: {seen}")
     print(f"real_engine: the first answer: {json.dumps(answers[0][2])}")
     HOLDER_KILLED.update(first=answers[0], response_id=response_id, holder=holder.endpoint)
-    holder.stop()
-    holder.start(wait=False)
+    holder.stop()  # started again by the next test, after the other one is up (its streams go there)
 
 
 HOLDER_KILLED: dict[
@@ -396,96 +400,109 @@ def kill_worker(replica: TierVllmReplica) -> None:
     os.kill(worker, signal.SIGKILL)
 
 
-def test_worker_killed_after_first_content_gives_prefix_then_reset_or_one_terminal_event(
-    gateway: Gateway, up: dict[str, TierVllmReplica]
-) -> None:
-    """At the first content delta (every replica frozen meanwhile, so that no further token comes while the
-    serving one is found), the serving replica's engine worker is SIGKILLed and the replica thawed: vLLM's
-    Responses stream is cut (its GenerationError frame fails its own validation), its Messages stream ends
-    with vLLM's `event: error`. One API after the other, each on the replica still standing."""
-    seen: dict[str, str] = {}
-    for api in APIS:
-        act = AtFirstDelta(
-            gateway, up, kill_worker, freeze=True, thaw_served=True, is_content=sdk_content(api)
+def standing(
+    replicas: dict[str, TierVllmReplica], gateway: Gateway, *, restart_others: bool
+) -> list[TierVllmReplica]:
+    """The replicas up (at least one, waited for; Envoy routing to them); with `restart_others` the ones not
+    running are started again in the background, for a later test. The streams of the test go to the ones
+    standing now."""
+    poll(lambda: any(r.healthy() for r in replicas.values()), timeout=RESTART_TIMEOUT, what="a replica up")
+    live = [r for r in replicas.values() if r.healthy()]
+    gateway.wait_replicas_healthy([r.endpoint for r in live], timeout=30)
+    for replica in replicas.values():
+        if restart_others and not replica.alive():
+            replica.stop()
+            replica.start(wait=False)
+    return live
+
+
+def both_apis_together(
+    gateway: Gateway, replicas: dict[str, TierVllmReplica], id_prefix: str
+) -> Together[Any]:
+    """A long Responses stream and a long Messages stream, started at once."""
+
+    def start(api: str) -> Any:
+        return lambda headers, on_event: STREAM[api](
+            gateway.url,
+            max_tokens=LONG,
+            headers=headers,
+            on_event=on_event,
+            read_timeout=60,
+            body=GREEDY[api],
         )
-        # The kill must land mid-generation; a client starved of CPU may read its first delta only after
-        # the whole answer was generated: then it is complete, not this test's case; again (bounded).
-        for _ in range(3):
-            act.acted.clear()
-            result = STREAM[api](
-                gateway.url, max_tokens=LONG, on_event=act, read_timeout=30, body=GREEDY[api]
-            )
-            assert act.acted, f"the {api} stream never delivered content: {result.status} {result.error!r}"
-            journal = terminal_journal(gateway, result.request_id)
-            if journal["phase"] != "completed":
-                break
-            events = named_events(result.raw)
-            print(
-                f"\nreal_engine: the whole {api} answer arrived before the kill landed on "
-                f"{act.acted[0].name} ({content_count(api, events)} content events, attempts "
-                f"{[(a['replica'], a['outcome']) for a in journal['attempts']]}); again"
-            )
-            act.acted[0].stop()
-            act.acted[0].start(timeout=RESTART_TIMEOUT)
-            gateway.wait_replicas_healthy([act.acted[0].endpoint], fresh=True, timeout=30)
+
+    return start_together(
+        gateway,
+        replicas,
+        {api: start(api) for api in APIS},
+        {api: sdk_content(api) for api in APIS},
+        id_prefix=id_prefix,
+    )
+
+
+def test_worker_killed_after_first_content_gives_prefix_then_reset_or_one_terminal_event(
+    gateway: Gateway, store_on: dict[str, TierVllmReplica]
+) -> None:
+    """A Responses and a Messages stream at once, on the replica standing (the other is restarted for the next
+    test); once the gateway has released the first content of both, every replica frozen, the serving
+    engine worker SIGKILLed and the replica thawed: vLLM's Responses stream is cut (its GenerationError
+    frame fails its own validation), its Messages stream ends with vLLM's own `event: error`, which the
+    gateway replaces by its terminal event."""
+    replicas = store_on
+    standing(replicas, gateway, restart_others=True)
+    together = both_apis_together(gateway, replicas, "killed")
+    served = freeze_at_first_content(together)
+    killed = list(dict.fromkeys(served.values()))
+    for replica in killed:
+        kill_worker(replica)
+    for replica in replicas.values():
+        replica.signal_group(signal.SIGCONT)
+    results = results_of(together)
+    seen: dict[str, str] = {}
+    for api, result in results.items():
         journal, event, client_count = assert_prefix_then_reset_or_terminal_event(api, gateway, result)
-        assert serving_attempt(journal)["replica"] == act.acted[0].endpoint, journal
+        assert serving_attempt(journal)["replica"] == served[api].endpoint, journal
+        what = (
+            f"terminal event {json.dumps(event)[:300]}" if event else f"reset ({type(result.error).__name__})"
+        )
         seen[api] = (
-            f"terminal event ({event['error' if api == 'messages' else 'response']})"
-            if event
-            else f"reset ({type(result.error).__name__})"
-        ) + f" after {client_count} content events, journal {journal['delivered_output_tokens']}"
-        killed = act.acted[0]
-        poll(lambda: not killed.healthy(), timeout=15, what="the killed replica to go down")  # noqa: B023
-    print(f"\nreal_engine: vLLM worker killed after the first content: {json.dumps(seen, indent=1)}")
-    for replica in up.values():  # both are gone; the next test needs them
-        replica.stop()
-        replica.start(wait=False)
+            f"{what} after {client_count} content events, journal {journal['delivered_output_tokens']}"
+        )
+    names = ", ".join(r.name for r in killed)
+    print(f"\nreal_engine: vLLM {names} worker killed after the first content: {json.dumps(seen, indent=1)}")
+    for replica in killed:
+        poll(lambda r=replica: not r.healthy(), timeout=15, what=f"vLLM {replica.name} to go down")
 
 
 def test_frozen_after_first_content_ends_with_one_terminal_event_in_the_apis_shape(
-    gateway: Gateway, up: dict[str, TierVllmReplica]
+    gateway: Gateway, store_on: dict[str, TierVllmReplica]
 ) -> None:
-    """The serving replica frozen whole (SIGSTOP) after the first content: the gateway's probe finds it lost
-    and ends the stream with exactly one terminal event of its own, in the API's shape, within a bounded
-    time. Responses first; then Messages, on the other replica. The frozen ones are stopped by the tier's
-    teardown (nothing after this test needs them)."""
-    frozen: list[TierVllmReplica] = []
+    """A Responses and a Messages stream at once, on the replica standing; once the gateway has released the
+    first content of both, the serving replica stays frozen whole (SIGSTOP): the gateway's probe finds it
+    lost and ends each stream with exactly one terminal event of its own, in the API's shape, within a bounded
+    time. The frozen replica is stopped here (nothing after this test needs it)."""
+    replicas = store_on
+    standing(replicas, gateway, restart_others=False)
+    together = both_apis_together(gateway, replicas, "frozen")
+    served = freeze_at_first_content(together)
+    frozen = list(dict.fromkeys(served.values()))
+    frozen_at = time.monotonic()
     try:
-        for api in APIS:
-            act = AtFirstDelta(gateway, up, lambda replica: None, freeze=True, is_content=sdk_content(api))
-            for _ in range(3):
-                act.acted.clear()
-                result = STREAM[api](
-                    gateway.url, max_tokens=LONG, on_event=act, read_timeout=60, body=GREEDY[api]
-                )
-                ended_after = time.monotonic() - act.acted_at[0] if act.acted_at else None
-                assert act.acted, (
-                    f"the {api} stream never delivered content: {result.status} {result.error!r}"
-                )
-                frozen.extend(act.acted)
-                events = named_events(result.raw)
-                if events and events[-1].name not in (
-                    "response.completed",
-                    "response.incomplete",
-                    "message_stop",
-                ):
-                    break
-                print(f"\nreal_engine: the whole {api} answer arrived before the freeze landed; again")
-                act.acted[0].signal_group(signal.SIGCONT)
+        for replica in replicas.values():
+            if replica not in frozen:
+                replica.signal_group(signal.SIGCONT)
+        results = results_of(together)
+        for api, result in results.items():
+            ended_after = together.streams[api].box["ended"] - frozen_at
             journal, event, client_count = assert_prefix_then_reset_or_terminal_event(api, gateway, result)
-            assert event is not None, f"a frozen replica's stream was cut, not ended: {result.error!r}"
-            message = (
-                event["response"]["error"]["message"] if api == "responses" else event["error"]["message"]
-            )
-            assert "health check" in message, message
-            assert ended_after is not None and ended_after < 15, (
-                f"the terminal event came {ended_after:.1f}s late"
-            )
-            assert serving_attempt(journal)["replica"] == act.acted[0].endpoint, journal
+            assert event is not None, f"a frozen replica's {api} stream was cut, not ended: {result.error!r}"
+            error = event["response"]["error"] if api == "responses" else event["error"]
+            assert "health check" in error["message"], error
+            assert ended_after < 15, f"the {api} terminal event came {ended_after:.1f}s after the freeze"
+            assert serving_attempt(journal)["replica"] == served[api].endpoint, journal
             print(
-                f"\nreal_engine: {api}: frozen vLLM after {client_count} content events -> one terminal "
-                f"event {ended_after:.1f}s after the freeze: {json.dumps(event)[:400]}"
+                f"\nreal_engine: {api}: frozen vLLM {served[api].name} after {client_count} content events "
+                f"-> one terminal event {ended_after:.1f}s after the freeze: {json.dumps(event)[:400]}"
             )
     finally:
         for replica in frozen:

@@ -16,9 +16,9 @@ What SGLang 0.5.23 needs and does here (measured; docs/real-engine.md#sglang):
   scheduler killed before the first content exercises the held preamble.
 
 Runs after test_sglang_gateway.py (file order), which leaves both replicas killed: they are started again
-(both at once) before this module's gateway. Then the non-destructive tests, the scheduler of a killed before
-content (a restarts in the background), an abort after content (on b), and last the servers killed after
-content, which the tier's teardown stops.
+(both at once) before this module's gateway, the module's one round of starts. Then the non-destructive
+tests, the scheduler of a killed before content (a is not started again), an abort after content on b, and
+last b's server killed after the first content of a Responses and a Messages stream at once.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from tests.real_engine.apis import (
     WHOLE,
     assert_completed,
     assert_prefix_then_reset_or_terminal_event,
-    content_count,
     direct_events,
     leave_after,
     normalized,
@@ -49,14 +48,16 @@ from tests.real_engine.apis import (
     stream_responses,
 )
 from tests.real_engine.client import Streamed, named_events
-from tests.real_engine.sglang.conftest import RESTART_TIMEOUT, restart_dead
+from tests.real_engine.sglang.conftest import restart_dead
 from tests.real_engine.tier import (
     AUTH,
-    AtFirstDelta,
     Landed,
+    freeze_at_first_content,
     gateway_to,
     replica_of,
+    results_of,
     serving_attempt,
+    start_together,
     stopped,
     stream_until_routed_to,
     terminal_journal,
@@ -240,8 +241,7 @@ def test_scheduler_killed_before_first_content_both_apis_are_retried_on_the_othe
     poll(
         lambda: not victim.alive(), timeout=30, what=f"SGLang {victim.name} to exit after its scheduler died"
     )
-    victim.stop()
-    victim.start(wait=False)
+    victim.stop()  # not started again: the tests after this one need one replica, b
 
 
 # --------------------------------------------------------------------------- after the first content
@@ -311,50 +311,50 @@ def test_an_abort_in_sglang_after_first_content_ends_with_our_terminal_event(
 def test_server_killed_after_first_content_gives_prefix_then_reset_or_one_terminal_event(
     sglang_gateway: Gateway, sglang_replicas: dict[str, SglangReplica]
 ) -> None:
-    """At the first content (every replica frozen meanwhile), the serving server process SIGKILLed, its
-    children thawed to notice: the client gets the prefix, then a reset or exactly one terminal event. One API
-    after the other, each on a replica still standing (the second waits for a's restart). The killed ones are
-    stopped by the tier's teardown."""
+    """A Responses and a Messages stream at once, on the replica standing (b); once the gateway has released
+    the first content of both, every replica frozen, the serving server process SIGKILLed and its children
+    thawed to notice: each client gets the prefix, then a reset or exactly one terminal event. The killed
+    replica is stopped by the tier's teardown."""
     replicas = sglang_replicas
+    poll(lambda: any(r.healthy() for r in replicas.values()), timeout=30, what="a replica up")
+    sglang_gateway.wait_replicas_healthy([r.endpoint for r in replicas.values() if r.healthy()], timeout=30)
+
+    def start(api: str) -> Any:
+        return lambda headers, on_event: STREAM[api](
+            sglang_gateway.url,
+            max_tokens=LONG,
+            headers=headers,
+            on_event=on_event,
+            read_timeout=60,
+            body=GREEDY,
+        )
+
+    together = start_together(
+        sglang_gateway,
+        replicas,
+        {api: start(api) for api in APIS},
+        {api: sdk_content(api) for api in APIS},
+        id_prefix="killed",
+    )
+    served = freeze_at_first_content(together)
+    killed = list(dict.fromkeys(served.values()))
+    for replica in killed:
+        replica.kill_server()
+    for replica in replicas.values():
+        replica.signal_group(signal.SIGCONT)
     seen: dict[str, str] = {}
-    for api in APIS:
-        poll(
-            lambda: any(r.healthy() for r in replicas.values()), timeout=RESTART_TIMEOUT, what="a replica up"
-        )
-        live = [r for r in replicas.values() if r.healthy()]
-        sglang_gateway.wait_replicas_healthy([r.endpoint for r in live], fresh=True, timeout=30)
-        act = AtFirstDelta(
-            sglang_gateway,
-            replicas,
-            SglangReplica.kill_server,
-            freeze=True,
-            thaw_served=True,
-            is_content=sdk_content(api),
-        )
-        for _ in range(3):
-            act.acted.clear()
-            result = STREAM[api](
-                sglang_gateway.url, max_tokens=LONG, on_event=act, read_timeout=30, body=GREEDY
-            )
-            assert act.acted, f"the {api} stream never delivered content: {result.status} {result.error!r}"
-            journal = terminal_journal(sglang_gateway, result.request_id)
-            if journal["phase"] != "completed":
-                break
-            events = named_events(result.raw)
-            count = content_count(api, events)
-            print(
-                f"\nreal_engine: the whole {api} answer arrived before the kill ({count} content events); "
-                "again"
-            )
-            act.acted[0].stop()
-            act.acted[0].start(wait=True, timeout=RESTART_TIMEOUT)
+    for api, result in results_of(together).items():
         journal, event, client_count = assert_prefix_then_reset_or_terminal_event(api, sglang_gateway, result)
-        assert serving_attempt(journal)["replica"] == act.acted[0].endpoint, journal
+        assert serving_attempt(journal)["replica"] == served[api].endpoint, journal
+        what = (
+            f"terminal event {json.dumps(event)[:300]}" if event else f"reset ({type(result.error).__name__})"
+        )
         seen[api] = (
-            f"terminal event ({json.dumps(event)[:200]})"
-            if event
-            else f"reset ({type(result.error).__name__})"
-        ) + f" after {client_count} content events, journal {journal['delivered_output_tokens']}"
-        killed = act.acted[0]
-        poll(lambda: not killed.alive(), timeout=10, what="the killed server to be gone")  # noqa: B023
-    print(f"\nreal_engine: SGLang server killed after the first content: {json.dumps(seen, indent=1)}")
+            f"{what} after {client_count} content events, journal {journal['delivered_output_tokens']}"
+        )
+    names = ", ".join(r.name for r in killed)
+    print(
+        f"\nreal_engine: SGLang {names} server killed after the first content: {json.dumps(seen, indent=1)}"
+    )
+    for replica in killed:
+        poll(lambda r=replica: not r.alive(), timeout=10, what=f"SGLang {replica.name}'s server to be gone")
