@@ -4,8 +4,16 @@ Each content event's ``delta.content`` starts with the ``time.monotonic_ns()`` t
 write. CLOCK_MONOTONIC is system-wide on Linux, so the client (another process) subtracts it from its
 own receive time to get the one-way latency of that chunk through whatever sits in between.
 
+``POST /v1/chat/completions`` answers as above (vLLM's chat chunk shape). ``POST /v1/responses`` answers as
+vLLM 0.32's Responses API does: named events with sequence numbers from 0 — ``response.created`` and
+``response.in_progress`` at once, then (after the prefill) ``response.output_item.added``,
+``response.content_part.added`` and N ``response.output_text.delta`` events whose ``delta`` is the
+timestamp, then the ``.done`` events (repeating the text) and ``response.completed`` with its usage; no
+``[DONE]``.
+
 Run: ``python bench/sse_upstream.py --listen 127.0.0.1:PORT [--interval-ms 1]``. The number of content
-events is the request's ``max_tokens``. HTTP/1.1 keep-alive, chunked, one SSE event per HTTP chunk.
+events is the request's ``max_tokens`` (``max_output_tokens`` on /v1/responses). HTTP/1.1 keep-alive,
+chunked, one SSE event per HTTP chunk.
 """
 
 from __future__ import annotations
@@ -52,6 +60,119 @@ def content_event(ts_ns: int) -> bytes:
     return b"%s%s%s%s" % (_CONTENT_HEAD, text, b" " * max(pad, 0), _CONTENT_TAIL)
 
 
+# --- the Responses API (vLLM 0.32's event shapes, its key order) ---------------------------------------
+
+RESPONSE_ID = "resp_bench"
+ITEM_ID = "msg_bench"
+
+
+def named_event(payload: dict[str, Any]) -> bytes:
+    """`event: <type>` then the payload on one `data:` line, as vLLM writes each Responses event."""
+    return b"event: %s\ndata: %s\n\n" % (
+        str(payload["type"]).encode(),
+        json.dumps(payload, separators=(",", ":")).encode(),
+    )
+
+
+def _response(status: str, output: list[Any], usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": RESPONSE_ID,
+        "created_at": 0,
+        "model": "bench",
+        "object": "response",
+        "output": output,
+        "status": status,
+        "usage": usage,
+    }
+
+
+def _message(text: str, status: str) -> dict[str, Any]:
+    part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    return {
+        "id": ITEM_ID,
+        "content": [part] if text else [],
+        "role": "assistant",
+        "status": status,
+        "type": "message",
+    }
+
+
+def responses_opening() -> list[bytes]:
+    """`response.created` and `response.in_progress`: vLLM writes them before the prefill."""
+    return [
+        named_event({"response": _response("in_progress", [], None), "sequence_number": n, "type": kind})
+        for n, kind in enumerate(("response.created", "response.in_progress"))
+    ]
+
+
+def responses_item_opened() -> list[bytes]:
+    """The output item and its text part, written with the first delta."""
+    return [
+        named_event(
+            {
+                "item": _message("", "in_progress"),
+                "output_index": 0,
+                "sequence_number": 2,
+                "type": "response.output_item.added",
+            }
+        ),
+        named_event(
+            {
+                "content_index": 0,
+                "item_id": ITEM_ID,
+                "output_index": 0,
+                "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
+                "sequence_number": 3,
+                "type": "response.content_part.added",
+            }
+        ),
+    ]
+
+
+RESPONSES_FIRST_DELTA = 4  # the first delta's sequence number
+
+
+def responses_delta(ts_ns: int, sequence_number: int) -> bytes:
+    return named_event(
+        {
+            "content_index": 0,
+            "delta": str(ts_ns),
+            "item_id": ITEM_ID,
+            "logprobs": [],
+            "output_index": 0,
+            "sequence_number": sequence_number,
+            "type": "response.output_text.delta",
+        }
+    )
+
+
+def responses_closing(text: str, sequence_number: int, output_tokens: int) -> list[bytes]:
+    """The `.done` events (each repeats the whole text, as vLLM's do) and `response.completed`."""
+    usage = {"input_tokens": 1, "output_tokens": output_tokens, "total_tokens": 1 + output_tokens}
+    part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    item = _message(text, "completed")
+    events = [
+        {
+            "content_index": 0,
+            "item_id": ITEM_ID,
+            "logprobs": [],
+            "output_index": 0,
+            "text": text,
+            "type": "response.output_text.done",
+        },
+        {
+            "content_index": 0,
+            "item_id": ITEM_ID,
+            "output_index": 0,
+            "part": part,
+            "type": "response.content_part.done",
+        },
+        {"item": item, "output_index": 0, "type": "response.output_item.done"},
+        {"response": _response("completed", [item], usage), "type": "response.completed"},
+    ]
+    return [named_event({**e, "sequence_number": sequence_number + i}) for i, e in enumerate(events)]
+
+
 def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -63,6 +184,26 @@ def _error(status: bytes, message: str) -> bytes:
         len(body),
         body,
     )
+
+
+async def _stream_responses(
+    writer: asyncio.StreamWriter, chunks: int, interval: float, prefill: float
+) -> None:
+    writer.write(_RESPONSE_HEAD + b"".join(map(http_chunk, responses_opening())))
+    if prefill:
+        await writer.drain()
+        await asyncio.sleep(prefill)
+    stamps: list[str] = []
+    for n in range(chunks):
+        await asyncio.sleep(interval)
+        ts = time.monotonic_ns()
+        stamps.append(str(ts))
+        event = http_chunk(responses_delta(ts, RESPONSES_FIRST_DELTA + n))
+        writer.write(b"".join(map(http_chunk, responses_item_opened())) + event if n == 0 else event)
+        await writer.drain()
+    closing = responses_closing("".join(stamps), RESPONSES_FIRST_DELTA + chunks, chunks)
+    writer.write(b"".join(map(http_chunk, closing)) + b"0\r\n\r\n")
+    await writer.drain()
 
 
 async def _stream(writer: asyncio.StreamWriter, chunks: int, interval: float, prefill: float) -> None:
@@ -98,17 +239,22 @@ async def _handle(
             if method == "GET" and path == "/health":  # the gateway health-checks its static replicas
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 continue
-            if method != "POST" or path.partition("?")[0] != "/v1/chat/completions":
+            route = path.partition("?")[0]
+            if method != "POST" or route not in ("/v1/chat/completions", "/v1/responses"):
                 writer.write(_error(b"404 Not Found", f"no route {method} {path}"))
                 continue
+            field = "max_output_tokens" if route == "/v1/responses" else "max_tokens"
             try:
-                chunks = int(json.loads(body).get("max_tokens") or 0)
+                chunks = int(json.loads(body).get(field) or 0)
             except (ValueError, AttributeError, TypeError):
                 chunks = -1
             if not 0 < chunks <= MAX_CHUNKS:
-                writer.write(_error(b"400 Bad Request", f"max_tokens must be 1..{MAX_CHUNKS}"))
+                writer.write(_error(b"400 Bad Request", f"{field} must be 1..{MAX_CHUNKS}"))
                 continue
-            await _stream(writer, chunks, interval, prefill)
+            if route == "/v1/responses":
+                await _stream_responses(writer, chunks, interval, prefill)
+            else:
+                await _stream(writer, chunks, interval, prefill)
     except (ConnectionError, asyncio.IncompleteReadError):
         return  # the client (Envoy) went away mid-stream: nothing to clean up
     finally:

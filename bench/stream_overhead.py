@@ -4,7 +4,9 @@ Both setups front the same bench upstream (bench/sse_upstream.py) with the same 
 cluster; the plain one is the gateway's own rendered config minus the ext_proc filters and the gRPC
 access logger. Streams alternate between the two setups, so drift of the machine hits both alike.
 Per content chunk: receive time − send time (both CLOCK_MONOTONIC, system-wide on Linux); per stream:
-time from sending the request to the first content chunk. See bench/README.md.
+time from sending the request to the first content chunk. Each API (`--apis`: chat completions and the
+Responses API by default) is measured the same way in the same run, its phases one after the other. See
+bench/README.md.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 HOST = "127.0.0.1"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-_TS_RE = re.compile(rb'"content":"(\d+)')
-_DONE = b"data: [DONE]"
+# The upstream's timestamp: chat's delta.content, the Responses API's output_text.delta `delta`.
+_TS_RE = re.compile(rb'"(?:content|delta)":"(\d+)')
+APIS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+API_TITLES = {"chat": "POST /v1/chat/completions", "responses": "POST /v1/responses"}
+# What ends a stream well, and what is a failure, per API (the Responses API has no [DONE]).
+_END = {"chat": b"data: [DONE]", "responses": b"event: response.completed"}
+_FAILED = {"chat": (b'{"error"',), "responses": (b"event: response.failed", b"event: error")}
 IDLE_SECONDS = 2.0
 
 
@@ -101,6 +108,7 @@ class _ClientConn(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.api = "chat"
         self.lost = False
         self._result = StreamResult()
         self._finished: asyncio.Future[None] | None = None
@@ -116,8 +124,9 @@ class _ClientConn(asyncio.Protocol):
         self.lost = True
         self._finish(f"connection closed in state {self._state}: {exc}" if self._state != "idle" else None)
 
-    def start(self, request: bytes) -> tuple[StreamResult, asyncio.Future[None]]:
+    def start(self, request: bytes, api: str = "chat") -> tuple[StreamResult, asyncio.Future[None]]:
         assert self.transport is not None and self._state == "idle"
+        self.api = api
         self._result = StreamResult()
         self._finished = asyncio.get_running_loop().create_future()
         self._buf.clear()
@@ -212,12 +221,13 @@ class _ClientConn(asyncio.Protocol):
             result.latencies_ns.append(now - int(match.group(1)))
         if result.first_content_ns is None and result.latencies_ns:
             result.first_content_ns = now
-        if _DONE in complete:
+        if _END[self.api] in complete:
             result.done = True
-        if b'{"error"' in complete and result.error is None:
-            result.error = "in-band error: " + complete[complete.find(b'{"error"') :][:300].decode(
-                errors="replace"
-            )
+        for marker in _FAILED[self.api]:
+            if marker in complete and result.error is None:
+                result.error = "in-band error: " + complete[complete.find(marker) :][:300].decode(
+                    errors="replace"
+                )
 
     def _end_response(self, now: int) -> None:
         self._scan_events(now)
@@ -225,20 +235,18 @@ class _ClientConn(asyncio.Protocol):
             body = bytes(self._events[:300]).decode(errors="replace")
             self._finish(f"HTTP {self._result.status}: {body}")
         else:
-            self._finish(None if self._result.done else "stream ended without data: [DONE]")
+            ended = _END[self.api].decode()
+            self._finish(None if self._result.done else f"stream ended without {ended}")
 
 
-def _request(port: int, chunks: int) -> bytes:
-    body = json.dumps(
-        {
-            "model": "bench",
-            "messages": [{"role": "user", "content": "bench"}],
-            "stream": True,
-            "max_tokens": chunks,
-        }
-    ).encode()
+def _request(port: int, chunks: int, api: str = "chat") -> bytes:
+    if api == "responses":
+        fields: dict[str, Any] = {"input": "bench", "max_output_tokens": chunks}
+    else:
+        fields = {"messages": [{"role": "user", "content": "bench"}], "max_tokens": chunks}
+    body = json.dumps({"model": "bench", "stream": True, **fields}).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
+        f"POST {APIS[api]} HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
         f"accept: text/event-stream\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
@@ -251,11 +259,11 @@ class Client:
         self.port = port
         self._conn: _ClientConn | None = None
 
-    async def stream(self, chunks: int, timeout: float) -> StreamResult:
+    async def stream(self, chunks: int, timeout: float, api: str = "chat") -> StreamResult:
         loop = asyncio.get_running_loop()
         if self._conn is None or self._conn.lost:
             _, self._conn = await asyncio.wait_for(loop.create_connection(_ClientConn, HOST, self.port), 5)
-        result, finished = self._conn.start(_request(self.port, chunks))
+        result, finished = self._conn.start(_request(self.port, chunks, api), api)
         try:
             await asyncio.wait_for(finished, timeout)
         except TimeoutError:
@@ -394,44 +402,62 @@ async def _measured(setup: Setup, run: Callable[[], Awaitable[list[StreamResult]
     return out
 
 
-async def _parallel(clients: list[Client], chunks: int, timeout: float) -> list[StreamResult]:
-    return list(await asyncio.gather(*(c.stream(chunks, timeout) for c in clients)))
+async def _parallel(
+    clients: list[Client], chunks: int, timeout: float, api: str = "chat"
+) -> list[StreamResult]:
+    return list(await asyncio.gather(*(c.stream(chunks, timeout, api) for c in clients)))
+
+
+def phase_name(base: str, api: str) -> str:
+    """`sequential`, `concurrent` for chat completions (as before); `sequential responses`, … for another."""
+    return base if api == "chat" else f"{base} {api}"
 
 
 async def run_load(setups: list[Setup], args: argparse.Namespace) -> dict[str, list[Setup]]:
-    """Sequential phase (one stream at a time), then the concurrent phase; setups alternate throughout."""
+    """Per API: its sequential phase (one stream at a time), then its concurrent phase; setups alternate
+    throughout. The scale curve, if asked for, on chat completions last."""
     interval = args.interval_ms / 1000
     timeout = _stream_timeout(args.chunks, interval)
     warm_timeout = _stream_timeout(args.warmup_chunks, interval)
     width = max([args.concurrency, *args.curve])
     clients = {s.name: [Client(s.port) for _ in range(width)] for s in setups}
 
-    async def warm_up(s: Setup, width: int) -> None:
+    async def warm_up(s: Setup, width: int, api: str = "chat") -> None:
         # Unmeasured: opens the client and Envoy's upstream connections, and pays the sidecar's and
-        # Python's first-request costs, so the measured streams see the steady state.
-        for r in await _parallel(clients[s.name][:width], args.warmup_chunks, warm_timeout):
+        # Python's first-request costs (of this API's route too), so the measured streams see the steady
+        # state.
+        for r in await _parallel(clients[s.name][:width], args.warmup_chunks, warm_timeout, api):
             if r.error:
-                raise ProcessFailed(f"warm-up stream through {s.name} failed: {r.error}")
+                raise ProcessFailed(f"warm-up stream ({APIS[api]}) through {s.name} failed: {r.error}")
 
     try:
-        phases = {"sequential": [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]}
-        for s in setups:
-            await warm_up(s, 1)
-        for i in range(args.streams):
-            for s in phases["sequential"]:
-                results = await _measured(s, lambda s=s: _parallel(clients[s.name][:1], args.chunks, timeout))
-                s.streams += results
-                _progress(f"sequential {i + 1}/{args.streams} {s.name}", results)
-        if args.concurrency > 1:
-            phases["concurrent"] = [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]
+        phases: dict[str, list[Setup]] = {}
+        for api in args.apis:
+            sequential = phase_name("sequential", api)
+            phases[sequential] = [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]
             for s in setups:
-                await warm_up(s, args.concurrency)
-            for s in phases["concurrent"]:
-                results = await _measured(
-                    s, lambda s=s: _parallel(clients[s.name][: args.concurrency], args.chunks, timeout)
-                )
-                s.streams += results
-                _progress(f"concurrent ×{args.concurrency} {s.name}", results)
+                await warm_up(s, 1, api)
+            for i in range(args.streams):
+                for s in phases[sequential]:
+                    results = await _measured(
+                        s, lambda s=s, api=api: _parallel(clients[s.name][:1], args.chunks, timeout, api)
+                    )
+                    s.streams += results
+                    _progress(f"{sequential} {i + 1}/{args.streams} {s.name}", results)
+            if args.concurrency > 1:
+                concurrent = phase_name("concurrent", api)
+                phases[concurrent] = [Setup(s.name, s.port, s.envoy_pid, s.sidecar_pid) for s in setups]
+                for s in setups:
+                    await warm_up(s, args.concurrency, api)
+                for s in phases[concurrent]:
+                    results = await _measured(
+                        s,
+                        lambda s=s, api=api: _parallel(
+                            clients[s.name][: args.concurrency], args.chunks, timeout, api
+                        ),
+                    )
+                    s.streams += results
+                    _progress(f"{concurrent} ×{args.concurrency} {s.name}", results)
         curve_timeout = _stream_timeout(args.curve_chunks, interval) * 2  # queues build up at width 100
         for n in args.curve:
             phase = phases[f"curve ×{n}"] = [
@@ -515,6 +541,8 @@ TARGET_TTFD_ADDED_MS = 2.0  # plus one etcd round trip (the write-ahead)
 def targets(phases: dict[str, list[Setup]], args: argparse.Namespace) -> str:
     """One row per target: the figure this run measured and whether it is met."""
     rows: list[tuple[str, str, bool]] = []
+    if "sequential" not in phases:
+        return "targets: set on chat completions; not measured (--apis has no chat)"
     one = {s.name: summarize(s, args.chunks) for s in phases["sequential"]}
     p, g = one["plain"], one["gateway"]
     if (rate := g["chunks_per_sidecar_cpu_second"]) is not None:
@@ -603,6 +631,70 @@ def table(phase: str, summaries: dict[str, dict[str, Any]], desc: str) -> str:
     return "\n".join(lines)
 
 
+def api_table(phases: dict[str, list[Setup]], args: argparse.Namespace, base: str) -> str:
+    """The APIs side by side for one phase: time to first content and the per-chunk cost, each against plain
+    Envoy in the same run (ratio = gateway / plain)."""
+    by_api = {
+        api: {s.name: summarize(s, args.chunks) for s in phases[phase_name(base, api)]} for api in args.apis
+    }
+    width = 10
+    head = "".join(f"{API_TITLES[api].removeprefix('POST '):>{4 * width}}" for api in args.apis)
+    cols = "".join(
+        f"{'plain':>{width}}{'gateway':>{width}}{'added':>{width}}{'ratio':>{width}}" for _ in args.apis
+    )
+    what = "one stream at a time" if base == "sequential" else f"{args.concurrency} streams at once"
+    lines = [
+        f"per API ({base}, {what}): gateway against plain Envoy, same run",
+        f"{'':<30}{head}",
+        f"{'':<30}{cols}",
+    ]
+
+    def cells(plain: float | None, gateway: float | None, scale: float, digits: int) -> str:
+        if plain is None or gateway is None:
+            return f"{_num(plain):>{width}}{_num(gateway):>{width}}{'-':>{width}}{'-':>{width}}"
+        ratio = f"{gateway / plain:.1f}×" if plain > 0 else "-"
+        added = gateway - plain
+        sign = "+" if added >= 0 else "-"
+        return (
+            f"{plain / scale:>{width}.{digits}f}{gateway / scale:>{width}.{digits}f}"
+            f"{f'{sign}{abs(added) / scale:.{digits}f}':>{width}}{ratio:>{width}}"
+        )
+
+    rows: list[tuple[str, Callable[[dict[str, Any]], float | None], float, int]] = [
+        ("time to first content p50 (ms)", lambda s: s["ttfd_ns"]["p50"], 1e6, 3),
+        ("chunk latency p50 (ms)", lambda s: s["latency_ns"]["p50"], 1e6, 3),
+        ("chunk latency p99 (ms)", lambda s: s["latency_ns"]["p99"], 1e6, 3),
+        ("envoy CPU (µs/chunk)", lambda s: s["cpu_us_per_chunk"].get("envoy"), 1.0, 1),
+    ]
+    for label, get, scale, digits in rows:
+        lines.append(
+            f"{label:<30}"
+            + "".join(
+                cells(get(by_api[a]["plain"]), get(by_api[a]["gateway"]), scale, digits) for a in args.apis
+            )
+        )
+    sidecar = "".join(
+        f"{'-':>{width}}{_num(by_api[a]['gateway']['cpu_us_per_chunk'].get('sidecar')):>{width}}"
+        f"{'':>{2 * width}}"
+        for a in args.apis
+    )
+    lines.append(f"{'sidecar CPU (µs/chunk)':<30}{sidecar}")
+    if all("floor" in by_api[a] for a in args.apis):
+        # The lean pass-through ext_proc on the same route: the part of the sidecar's cost that is gRPC's.
+        floor = "".join(
+            f"{'-':>{width}}{_num(by_api[a]['floor']['cpu_us_per_chunk'].get('sidecar')):>{width}}"
+            f"{'':>{2 * width}}"
+            for a in args.apis
+        )
+        lines.append(f"{'floor: lean ext_proc (µs/chunk)':<30}{floor}")
+    received = "".join(
+        f"{_count(by_api[a]['plain']):>{2 * width}}{_count(by_api[a]['gateway']):>{2 * width}}"
+        for a in args.apis
+    )
+    lines.append(f"{'chunks received':<30}{received}")
+    return "\n".join(lines)
+
+
 def curve_table(rows: dict[int, dict[str, dict[str, Any]]], chunks: int, interval_ms: float) -> str:
     """One line per width: latency, the sidecar's (and the floor's) CPU per chunk and how busy it was, and
     the chunks per second that got through; the width where that stops growing is where it saturates."""
@@ -650,6 +742,13 @@ def _envoy_version(envoy: str) -> str:
     return match.group(1) if match else "?"
 
 
+def _apis(text: str) -> tuple[str, ...]:
+    apis = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    if not apis or any(a not in APIS for a in apis):
+        raise argparse.ArgumentTypeError(f"expected a list of {', '.join(APIS)}, got {text!r}")
+    return apis
+
+
 def _widths(text: str) -> tuple[int, ...]:
     try:
         widths = tuple(int(x) for x in text.split(","))
@@ -671,6 +770,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="the upstream's wait before its first content event, like an engine's prefill (default 0: the "
         "journal claim, which runs beside it, is then on the way to the first delta)",
+    )
+    parser.add_argument(
+        "--apis",
+        type=_apis,
+        default=("chat", "responses"),
+        help="the APIs to measure, each in its own phases of the same run: chat (POST /v1/chat/completions), "
+        "responses (POST /v1/responses); default chat,responses",
     )
     parser.add_argument(
         "--concurrency",
@@ -863,10 +969,13 @@ def _report(
     each = f"{args.chunks} chunks, {args.interval_ms:g} ms apart" + (
         f", first after a {args.prefill_ms:g} ms prefill" if args.prefill_ms else ""
     )
-    descs = {
-        "sequential": f"{args.streams} stream{'s' if args.streams != 1 else ''} one after another × {each}",
-        "concurrent": f"{args.concurrency} streams at once × {each}",
-    }
+    descs: dict[str, str] = {}
+    for api in args.apis:
+        streams = f"{args.streams} stream{'s' if args.streams != 1 else ''} one after another × {each}"
+        descs[phase_name("sequential", api)] = f"{API_TITLES[api]}, {streams}"
+        descs[phase_name("concurrent", api)] = (
+            f"{API_TITLES[api]}, {args.concurrency} streams at once × {each}"
+        )
     curve: dict[int, dict[str, dict[str, Any]]] = {}
     for phase, setups in phases.items():
         if phase.startswith("curve ×"):
@@ -887,6 +996,11 @@ def _report(
     if curve:
         print()
         print(curve_table(curve, args.curve_chunks, args.interval_ms))
+    if len(args.apis) > 1:
+        for base in ("sequential", "concurrent"):
+            if all(phase_name(base, api) in phases for api in args.apis):
+                print()
+                print(api_table(phases, args, base))
     print()
     print(targets(phases, args))
     if args.json:

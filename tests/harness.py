@@ -6,6 +6,7 @@ Waiting is by polling with a deadline, never by fixed sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -117,6 +118,27 @@ class Sim:
     def started_for(self, request_id: str) -> int:
         """How many of the request's attempts reached this replica (ended or not)."""
         return sum(r.get("request_id") == request_id and r.get("event") == "start" for r in self.records())
+
+
+@contextlib.contextmanager
+def sim_pool(work: Path, names: Iterable[str], **options: Any) -> Iterator[dict[str, Sim]]:
+    """Simulated replicas by name (`Sim` options for all), stopped on exit: a module fixture's body."""
+    pool = {name: Sim(name, work, **options) for name in names}
+    try:
+        yield pool
+    finally:
+        for sim in pool.values():
+            sim.stop()
+
+
+@contextlib.contextmanager
+def gateway_over(sims: Iterable[Sim], *, etcd: str, work: Path, **options: Any) -> Iterator[Gateway]:
+    """`router-sidecar gateway` with these replicas (`Gateway` options), stopped on exit."""
+    gateway = Gateway(replicas=[s.endpoint for s in sims], etcd=etcd, work=work, **options)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
 
 
 class Agent:

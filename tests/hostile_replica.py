@@ -60,6 +60,28 @@ Scenarios (:data:`SCENARIOS`; bytes exact):
 
 Paths: ``/v1/chat/completions`` and ``/v1/completions`` (POST) play scenarios; ``GET /v1/models``
 answers a model list; any other path answers ``404`` JSON (another method on a generation path: ``405``).
+
+``/v1/responses`` and ``/v1/messages`` (POST) play the scenarios of :data:`API_SCENARIOS` in the API's own
+named events (vLLM's shapes; every event one ``event:`` line and one ``data:`` line, one per HTTP chunk), with
+the answer's id derived from ``cid`` (:func:`api_ids`):
+
+* ``normal`` — Responses: ``response.created``, ``response.in_progress``, ``output_item.added``,
+  ``content_part.added``, four ``response.output_text.delta`` (``tok{i} ``), the three ``*.done`` events,
+  ``response.completed`` (``usage.output_tokens`` 4), sequence numbers from 0; Messages: ``message_start``,
+  ``content_block_start``, four ``content_block_delta``, ``content_block_stop``, ``message_delta``
+  (``end_turn``, 4 output tokens), ``message_stop``. Without ``"stream": true``: the API's JSON answer.
+* ``not_json_before_delta`` / ``not_json_after_delta`` — the opening (+ one content event), then an event
+  whose data is not JSON, then the rest of the normal stream.
+* ``endless_preamble:N`` — the opening, then N bytes of preamble events (Responses ``response.in_progress``,
+  Messages ``ping``), never content, then the normal rest.
+* ``unfinished_preamble:N`` — the opening, then one preamble event that never ends: N bytes of its data, then
+  the connection is closed (FIN, no last chunk).
+* ``replica_failed_before_delta`` / ``replica_failed_after_delta`` — the opening (+ two content events), then
+  the engine's own failure, as SGLang writes it: Responses ``response.failed`` (``server_error``, "Request
+  running timeout reached."), Messages ``content_block_stop``, ``event: error`` (``overloaded_error``),
+  ``message_stop``; the body ends cleanly.
+* ``incomplete_end`` (Responses) — the normal stream ending with ``response.incomplete`` (SGLang's end at
+  ``max_output_tokens``) instead of ``response.completed``.
 """
 
 from __future__ import annotations
@@ -103,6 +125,7 @@ HUGE_HEADER_BYTES = 100 * KiB
 TRICKLE_GAP = 0.002
 RETRY_AFTER = "7"
 GEN_PATHS = ("/v1/chat/completions", "/v1/completions")
+API_PATHS = {"/v1/responses": "responses", "/v1/messages": "messages"}
 LAST_CHUNK = b"0\r\n\r\n"
 DONE = b"data: [DONE]"
 
@@ -293,6 +316,171 @@ def error_body_429() -> bytes:
     )
 
 
+# --------------------------------------------------------------------------- the Responses and Messages APIs
+
+
+def named_event(name: str, data: dict[str, Any]) -> bytes:
+    """One named event as the engines write it: `event:` line, one `data:` line."""
+    return b"event: " + name.encode() + b"\ndata: " + compact({"type": name, **data}) + b"\n\n"
+
+
+def api_ids(cid: str) -> tuple[str, str]:
+    """(the answer's id, its message item's id) for a stream id: deterministic, one per attempt."""
+    digest = hashlib.sha256(cid.encode()).hexdigest()
+    return f"resp_{digest[:16]}", f"msg_{digest[16:32]}"
+
+
+class ResponsesEvents:
+    """A Responses stream of one attempt, numbered as it is written (vLLM's event shapes, trimmed)."""
+
+    def __init__(self, cid: str) -> None:
+        self.id, self.item = api_ids(cid)
+        self.seq = 0
+
+    def event(self, name: str, **data: Any) -> bytes:
+        out = named_event(name, {**data, "sequence_number": self.seq})
+        self.seq += 1
+        return out
+
+    def response(self, status: str, **extra: Any) -> dict[str, Any]:
+        base = {"id": self.id, "created_at": CREATED, "model": MODEL, "object": "response", "output": []}
+        return {**base, "status": status, "usage": None, **extra}
+
+    def opening(self) -> list[bytes]:
+        item = {
+            "id": self.item,
+            "content": [],
+            "role": "assistant",
+            "status": "in_progress",
+            "type": "message",
+        }
+        part = {"annotations": [], "text": "", "type": "output_text"}
+        return [
+            self.event("response.created", response=self.response("in_progress")),
+            self.event("response.in_progress", response=self.response("in_progress")),
+            self.event("response.output_item.added", item=item, output_index=0),
+            self.event(
+                "response.content_part.added", content_index=0, item_id=self.item, output_index=0, part=part
+            ),
+        ]
+
+    def delta(self, text: str) -> bytes:
+        return self.event(
+            "response.output_text.delta", content_index=0, delta=text, item_id=self.item, output_index=0
+        )
+
+    def closing(self, n: int, end: str = "response.completed") -> list[bytes]:
+        text = "".join(f"tok{i} " for i in range(n))
+        part = {"annotations": [], "text": text, "type": "output_text"}
+        item = {
+            "id": self.item,
+            "content": [part],
+            "role": "assistant",
+            "status": "completed",
+            "type": "message",
+        }
+        usage = {"input_tokens": 5, "output_tokens": n, "total_tokens": 5 + n}
+        status = "completed" if end == "response.completed" else "incomplete"
+        extra = {"incomplete_details": {"reason": "max_output_tokens"}} if status == "incomplete" else {}
+        return [
+            self.event(
+                "response.output_text.done", content_index=0, item_id=self.item, output_index=0, text=text
+            ),
+            self.event(
+                "response.content_part.done", content_index=0, item_id=self.item, output_index=0, part=part
+            ),
+            self.event("response.output_item.done", item=item, output_index=0),
+            self.event(end, response={**self.response(status, output=[item], usage=usage), **extra}),
+        ]
+
+    def failed(self, n: int) -> list[bytes]:
+        """SGLang's in-band failure: its own `response.failed` (server_error, its timeout message)."""
+        usage = {"input_tokens": 5, "output_tokens": n, "total_tokens": 5 + n}
+        error = {"code": "server_error", "message": "Request running timeout reached."}
+        return [self.event("response.failed", response=self.response("failed", error=error, usage=usage))]
+
+
+def messages_opening(cid: str) -> list[bytes]:
+    message_id = "msg_" + hashlib.sha256(cid.encode()).hexdigest()[:32]
+    message = {"id": message_id, "type": "message", "role": "assistant", "content": [], "model": MODEL}
+    return [
+        named_event(
+            "message_start", {"message": {**message, "usage": {"input_tokens": 5, "output_tokens": 0}}}
+        ),
+        named_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+    ]
+
+
+def messages_delta(text: str) -> bytes:
+    return named_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+
+
+def messages_closing(n: int) -> list[bytes]:
+    return [
+        named_event("content_block_stop", {"index": 0}),
+        named_event("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": n}}),
+        named_event("message_stop", {}),
+    ]
+
+
+def messages_failed() -> list[bytes]:
+    """SGLang's in-band failure: the open block closed, its error event, then `message_stop`."""
+    error = {"type": "overloaded_error", "message": "Request running timeout reached."}
+    return [
+        named_event("content_block_stop", {"index": 0}),
+        named_event("error", {"error": error}),
+        named_event("message_stop", {}),
+    ]
+
+
+def api_stream_events(api: str, cid: str, *, end: str = "response.completed") -> list[bytes]:
+    """The normal stream of an API, one item per event (what `normal` writes)."""
+    tokens = [f"tok{i} " for i in range(CONTENT_EVENTS)]
+    if api == "responses":
+        r = ResponsesEvents(cid)
+        return [*r.opening(), *(r.delta(t) for t in tokens), *r.closing(CONTENT_EVENTS, end)]
+    return [*messages_opening(cid), *(messages_delta(t) for t in tokens), *messages_closing(CONTENT_EVENTS)]
+
+
+def api_stream_payload(api: str, cid: str) -> bytes:
+    return b"".join(api_stream_events(api, cid))
+
+
+def api_unary_body(api: str, cid: str) -> bytes:
+    text = "".join(f"tok{i} " for i in range(CONTENT_EVENTS))
+    if api == "responses":
+        r = ResponsesEvents(cid)
+        part = {"annotations": [], "text": text, "type": "output_text"}
+        item = {
+            "id": r.item,
+            "content": [part],
+            "role": "assistant",
+            "status": "completed",
+            "type": "message",
+        }
+        usage = {"input_tokens": 5, "output_tokens": CONTENT_EVENTS, "total_tokens": 5 + CONTENT_EVENTS}
+        return compact(r.response("completed", output=[item], usage=usage))
+    message_id = "msg_" + hashlib.sha256(cid.encode()).hexdigest()[:32]
+    return compact(
+        {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": text}],
+            "model": MODEL,
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 5, "output_tokens": CONTENT_EVENTS},
+        }
+    )
+
+
+NOT_JSON_EVENT = {
+    "responses": b"event: response.output_text.delta\n"
+    b'data: {"type":"response.output_text.delta","delta":tok\n\n',
+    "messages": b'event: content_block_delta\ndata: {"type":"content_block_delta", this is not json\n\n',
+}
+
+
 def hchunk(data: bytes) -> bytes:
     return b"%x\r\n" % len(data) + data + b"\r\n"
 
@@ -342,10 +530,10 @@ def parse_scenario(value: str) -> Scenario:
     first, *params = [p.strip() for p in value.split(";") if p.strip()]
     name, _, size_text = first.partition(":")
     name = name.strip()
-    if name not in SCENARIOS:
+    if name not in SCENARIOS and name not in API_SCENARIOS:
         raise ValueError(f"unknown hostile scenario {name!r}")
     size = parse_size(size_text) if size_text else None
-    if name in SIZED and size is None:
+    if name in SIZED | API_SIZED and size is None:
         raise ValueError(f"{name} needs a size: {name}:N")
     attempts: frozenset[int] | None = None
     for param in params:
@@ -765,6 +953,122 @@ async def play_reset(ex: Exchange, _size: int | None) -> str:
     return "reset"
 
 
+# --------------------------------------------------------------------------- the APIs' scenarios
+
+ApiPlay = Callable[[Exchange, str, int | None], Awaitable[str]]
+
+
+def _api_parts(api: str, cid: str) -> tuple[list[bytes], list[bytes], Callable[[int], list[bytes]]]:
+    """(the opening, the content events, the closing after n of them) of an API's normal stream."""
+    tokens = [f"tok{i} " for i in range(CONTENT_EVENTS)]
+    if api == "responses":
+        r = ResponsesEvents(cid)
+        opening = r.opening()
+        content = [r.delta(t) for t in tokens]
+        return opening, content, lambda n: r.closing(n)
+    return messages_opening(cid), [messages_delta(t) for t in tokens], messages_closing
+
+
+async def api_normal(ex: Exchange, api: str, _size: int | None = None) -> str:
+    if not ex.stream:
+        return await ex.json(200, api_unary_body(api, ex.cid))
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(api_stream_events(api, ex.cid))
+    return await ex.end()
+
+
+async def api_not_json(ex: Exchange, api: str, before: int) -> str:
+    opening, content, closing = _api_parts(api, ex.cid)
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(
+        [*opening, *content[:before], NOT_JSON_EVENT[api], *content[before:], *closing(len(content))]
+    )
+    return await ex.end()
+
+
+async def api_not_json_before_delta(ex: Exchange, api: str, _size: int | None) -> str:
+    return await api_not_json(ex, api, 0)
+
+
+async def api_not_json_after_delta(ex: Exchange, api: str, _size: int | None) -> str:
+    return await api_not_json(ex, api, 1)
+
+
+async def api_endless_preamble(ex: Exchange, api: str, size: int | None) -> str:
+    assert size is not None
+    opening, content, closing = _api_parts(api, ex.cid)
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(opening)
+    if api == "responses":
+        filler = named_event(
+            "response.in_progress", {"response": {"id": api_ids(ex.cid)[0]}, "pad": "p" * 4000}
+        )
+    else:
+        filler = named_event("ping", {"pad": "p" * 4000})
+    for _ in range(size // len(filler) + 1):
+        await ex.body(filler)
+    await ex.events([*content, *closing(len(content))])
+    return await ex.end()
+
+
+async def api_unfinished_preamble(ex: Exchange, api: str, size: int | None) -> str:
+    assert size is not None
+    opening, _content, _closing = _api_parts(api, ex.cid)
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(opening)
+    name = b"response.in_progress" if api == "responses" else b"ping"
+    await ex.body(b"event: " + name + b'\ndata: {"type":"' + name + b'","pad":"')
+    block = b"p" * (64 * KiB)
+    remaining = size
+    while remaining > 0:
+        await ex.body(block[: min(len(block), remaining)])
+        remaining -= len(block)
+    await ex.conn.flush()
+    return "closed"
+
+
+def api_failed_events(api: str, cid: str, before: int) -> list[bytes]:
+    """The opening, `before` content events, then the engine's own failure (SGLang's), one item per event."""
+    tokens = [f"tok{i} " for i in range(before)]
+    if api == "responses":
+        r = ResponsesEvents(cid)
+        return [*r.opening(), *(r.delta(t) for t in tokens), *r.failed(before)]
+    return [*messages_opening(cid), *(messages_delta(t) for t in tokens), *messages_failed()]
+
+
+async def api_replica_failed(ex: Exchange, api: str, before: int) -> str:
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(api_failed_events(api, ex.cid, before))
+    return await ex.end()
+
+
+async def api_replica_failed_before_delta(ex: Exchange, api: str, _size: int | None) -> str:
+    return await api_replica_failed(ex, api, 0)
+
+
+async def api_replica_failed_after_delta(ex: Exchange, api: str, _size: int | None) -> str:
+    return await api_replica_failed(ex, api, 2)
+
+
+async def api_incomplete_end(ex: Exchange, api: str, _size: int | None) -> str:
+    await ex.head(200, STREAM_HEADERS)
+    await ex.events(api_stream_events(api, ex.cid, end="response.incomplete"))
+    return await ex.end()
+
+
+API_SCENARIOS: dict[str, ApiPlay] = {
+    "normal": api_normal,
+    "not_json_before_delta": api_not_json_before_delta,
+    "not_json_after_delta": api_not_json_after_delta,
+    "endless_preamble": api_endless_preamble,
+    "unfinished_preamble": api_unfinished_preamble,
+    "replica_failed_before_delta": api_replica_failed_before_delta,
+    "replica_failed_after_delta": api_replica_failed_after_delta,
+    "incomplete_end": api_incomplete_end,
+}
+API_SIZED = frozenset({"endless_preamble", "unfinished_preamble"})
+
+
 SCENARIOS: dict[str, Play] = {
     "normal": play_normal,
     "comments_before_delta": play_comments_before_delta,
@@ -916,6 +1220,9 @@ class Server:
         return how in KEEP_ALIVE_AFTER and not conn.gone and not close_requested
 
     async def _dispatch(self, ex: Exchange, request: Request, scenario_text: str | None, attempt: int) -> str:
+        api = API_PATHS.get(request.path)
+        if api is not None and request.method == "POST":
+            return await self._dispatch_api(ex, api, scenario_text, attempt)
         if request.path not in GEN_PATHS:
             if request.path == "/v1/models" and request.method == "GET":
                 models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "hostile"}]}
@@ -932,9 +1239,26 @@ class Server:
             scenario = parse_scenario(scenario_text)
         except ValueError as exc:
             return await ex.json(400, compact({"error": {"message": str(exc), "code": 400}}))
+        if scenario.name not in SCENARIOS:
+            message = f"scenario {scenario.name!r} is played on /v1/responses and /v1/messages only"
+            return await ex.json(400, compact({"error": {"message": message, "code": 400}}))
         if not scenario.applies(attempt):
             return await play_normal(ex)
         return await SCENARIOS[scenario.name](ex, scenario.size)
+
+    async def _dispatch_api(self, ex: Exchange, api: str, scenario_text: str | None, attempt: int) -> str:
+        if not scenario_text:
+            return await api_normal(ex, api)
+        try:
+            scenario = parse_scenario(scenario_text)
+        except ValueError as exc:
+            return await ex.json(400, compact({"error": {"message": str(exc), "code": 400}}))
+        if scenario.name not in API_SCENARIOS:
+            message = f"scenario {scenario.name!r} is not played on /v1/{api}"
+            return await ex.json(400, compact({"error": {"message": message, "code": 400}}))
+        if not scenario.applies(attempt):
+            return await api_normal(ex, api)
+        return await API_SCENARIOS[scenario.name](ex, api, scenario.size)
 
 
 async def serve(host: str, port: int, log_path: str | None) -> None:

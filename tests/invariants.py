@@ -43,6 +43,8 @@ from router_testbed.oracle import (
     is_content,
     piece_text,
 )
+from tests import api_streams
+from tests.api_streams import ApiStream
 from tests.harness import split_events
 
 CLIENT_DISCONNECTED = "client_disconnected"
@@ -50,8 +52,18 @@ CLIENT_DISCONNECTED = "client_disconnected"
 NOT_SENT = "connection_lost_before_request"
 # Replica outcomes (simulator log) of an abrupt death: the only ones that may reach a client as a reset.
 ABRUPT_REPLICA_OUTCOMES = frozenset({"fault:reset", "fault:exit"})
+# Per API, where it differs: vLLM's Responses route has no error event, its generation error cuts the body
+# without its last chunk (docs/simulator.md), which reaches the client as a reset too.
+# What the journal's `input.route` calls each route.
+JOURNAL_ROUTES = {
+    "chat": "chat.completions",
+    "completions": "completions",
+    "responses": "responses",
+    "messages": "messages",
+}
+ABRUPT_BY_ROUTE = {"responses": ABRUPT_REPLICA_OUTCOMES | {"fault:error"}}
 
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "responses", "messages"]
 OutcomeKind = Literal["complete", "terminal_frame", "reset", "json_error", "disconnect", "other"]
 
 
@@ -83,12 +95,17 @@ class SentRequest:
 
     @property
     def max_tokens(self) -> int | None:
-        value = self.body.get("max_tokens")
+        value = self.body.get("max_output_tokens" if self.route == "responses" else "max_tokens")
         return value if isinstance(value, int) else None
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
+        return api_streams.PATHS[self.route]
+
+    @property
+    def named(self) -> bool:
+        """An API of named events (Responses, Messages), read by `tests.api_streams`."""
+        return self.route in api_streams.NAMED_APIS
 
 
 @dataclass
@@ -120,6 +137,10 @@ class Evidence:
     # e.g. a real engine): the delivered text must be a prefix of it.
     expected_pieces: tuple[str, ...] | None = None
     max_attempts: int = 2  # the policy's before_first_delta.max_attempts
+    max_event_bytes: int = 1 << 20  # the policy's limits.max_event_bytes
+    # Other generations a replica may write for this request because of its fault (`oversize`'s padded
+    # text, on the attempts the clause applies to): a prefix of one of them is a prefix of one generation.
+    variant_pieces: tuple[tuple[str, ...], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -144,6 +165,8 @@ class Delivered:
     unary: dict[str, Any] | None = None  # a non-streamed 200 answer
     error: dict[str, Any] | None = None  # a JSON error body's `error` object
     note: str = ""  # for kind "other": what it was
+    route: Route = "chat"
+    stream: ApiStream | None = None  # Responses, Messages: the named events as their clients read them
 
     @property
     def done_count(self) -> int:
@@ -153,7 +176,7 @@ class Delivered:
     def delivered_tokens(self) -> int:
         """What the client got, counted like invariant 3 says: usage when the stream carried it."""
         if self.unary is not None:
-            return _unary_completion_tokens(self.unary) or 0
+            return api_streams.unary_output_tokens(self.route, self.unary) or 0
         return self.usage_tokens if self.usage_tokens is not None else len(self.content)
 
     def ids(self) -> set[str]:
@@ -187,10 +210,22 @@ def parse_sse(raw: bytes) -> tuple[list[Any], list[bytes], bool]:
     return payloads, unparseable, torn
 
 
-def count_content_events(raw: bytes) -> int:
+def count_content_events(raw: bytes, route: Route = "chat") -> int:
     """Content events among the complete events in `raw` (for a client deciding when to leave)."""
+    if route in api_streams.NAMED_APIS:
+        return len(ApiStream.read(route, raw).content)
     payloads, _, _ = parse_sse(raw)
     return sum(1 for p in payloads if is_content(p))
+
+
+def stream_ended(raw: bytes, route: Route = "chat") -> bool:
+    """The complete events in `raw` include the stream's end (`[DONE]`; a Responses/Messages clean end or
+    failure): a client leaving after it leaves nothing behind."""
+    if route in api_streams.NAMED_APIS:
+        stream = ApiStream.read(route, raw)
+        return bool(stream.clean_ends or stream.terminal_events())
+    payloads, _, _ = parse_sse(raw)
+    return bool(payloads) and payloads[-1] == DONE
 
 
 def _unary_completion_tokens(answer: dict[str, Any]) -> int | None:
@@ -203,8 +238,49 @@ def _content_type(client: ClientOutcome) -> str:
     return client.headers.get("content-type", "").lower()
 
 
+def _read_named(sent: SentRequest, client: ClientOutcome) -> Delivered:
+    """A Responses or Messages stream: its events, content, text, terminal events and usage."""
+    stream = ApiStream.read(sent.route, client.body)
+    d = Delivered("other", route=sent.route, stream=stream, torn_tail=stream.torn)
+    d.unparseable = [e.raw for e in stream.events if not e.json_ok]
+    d.payloads = [e.data for e in stream.events if e.json_ok]
+    d.content = [e.data for e in stream.content]
+    d.text = stream.text
+    d.frames = [api_streams.terminal_error(sent.route, e) for e in stream.terminal_events()]
+    d.usage_tokens = stream.usage_output_tokens()
+    if client.disconnected:
+        d.kind = "disconnect"
+    elif client.transport_error is not None:
+        d.kind = "reset"
+    elif d.frames:
+        d.kind = "terminal_frame"
+    elif stream.clean_ends:
+        d.kind = "complete"
+    else:
+        end = "response.completed" if sent.route == "responses" else "message_stop"
+        d.note = f"SSE body that ended cleanly with neither {end} nor a terminal event"
+    return d
+
+
 def read_delivered(sent: SentRequest, client: ClientOutcome) -> Delivered:
     ctype = _content_type(client)
+    if sent.named:
+        if client.status == 200 and "text/event-stream" in ctype:
+            return _read_named(sent, client)
+        if client.status == 200 and "application/json" in ctype and not sent.stream:
+            try:
+                answer = json.loads(client.body)
+            except ValueError:
+                return Delivered("other", note="200 with a body that is not JSON", route=sent.route)
+            if not api_streams.unary_is_answer(sent.route, answer):
+                return Delivered(
+                    "other", note=f"200 JSON that is not a {sent.route} answer", route=sent.route
+                )
+            d = Delivered("complete", unary=answer, route=sent.route)
+            d.text = api_streams.unary_text(sent.route, answer)
+            if client.transport_error is not None:
+                d.kind, d.note = "other", f"200 JSON answer cut by {client.transport_error}"
+            return d
     if client.status == 200 and "text/event-stream" in ctype:
         payloads, unparseable, torn = parse_sse(client.body)
         d = Delivered("other", payloads, unparseable, torn)
@@ -249,8 +325,10 @@ def read_delivered(sent: SentRequest, client: ClientOutcome) -> Delivered:
             return Delivered("other", note=f"HTTP {client.status} application/json body that is not JSON")
         error = body.get("error") if isinstance(body, dict) else None
         if not isinstance(error, dict):
-            return Delivered("other", note=f"HTTP {client.status} JSON body without an error object")
-        return Delivered("json_error", error=error)
+            return Delivered(
+                "other", note=f"HTTP {client.status} JSON body without an error object", route=sent.route
+            )
+        return Delivered("json_error", error=error, route=sent.route)
     if client.status == 0:
         return Delivered("other", note=f"no HTTP response at all ({client.transport_error})")
     return Delivered("other", note=f"HTTP {client.status} with content-type {ctype or '(none)'!r}")
@@ -357,11 +435,20 @@ class _Check:
                 f"; the client got {outcome_kind(self.ev)}",
             )
         if d.unary is None and d.kind != "json_error" and self.client.status == 200:
-            self.check_stream_shape()
+            if self.sent.named:
+                self.check_named_shape()
+            else:
+                self.check_stream_shape()
         if d.kind == "complete":
-            self.check_complete()
+            if self.sent.named:
+                self.check_named_complete()
+            else:
+                self.check_complete()
         elif d.kind == "terminal_frame":
-            self.check_terminal_frame()
+            if self.sent.named:
+                self.check_named_terminal()
+            else:
+                self.check_terminal_frame()
         elif d.kind == "reset":
             self.check_reset()
         elif d.kind == "disconnect":
@@ -378,9 +465,45 @@ class _Check:
                 self.flag("9", "journal-schema", f"the journal record breaks its published schema: {broken}")
         return self.violations
 
+    def is_the_generation(self, text: str, n: int) -> bool:
+        """`text` is the first `n` content events of the request's one generation (or of a variant a fault
+        makes a replica write, e.g. `oversize`'s padded text); True when the generation is unknown."""
+        expected = self.ev.expected_pieces
+        if expected is None:
+            return True
+        return any(
+            n <= len(pieces) and text == "".join(pieces[:n]) for pieces in (expected, *self.ev.variant_pieces)
+        )
+
+    def check_prefix_of_the_generation(self) -> None:
+        d, expected = self.d, self.ev.expected_pieces
+        n = len(d.content)
+        if expected is not None and not self.is_the_generation(d.text, n):
+            self.flag(
+                "2",
+                "not-a-prefix-of-the-generation",
+                f"the delivered text ({n} content events) is not a prefix of the one generation "
+                f"({len(expected)} events): a repeated fragment or another answer: got {_short(d.text)}, "
+                f"expected {_short(''.join(expected[:n]))}",
+            )
+
+    def check_event_sizes(self) -> None:
+        """Invariant 10: no SSE event over limits.max_event_bytes reaches a client (docs/bounds.md: the
+        attempt fails before the first delta, the stream ends with the terminal event after it)."""
+        events = split_events(self.client.body)
+        biggest = max((len(e) for e in events), default=0)
+        if biggest > self.ev.max_event_bytes:
+            self.flag(
+                "10",
+                "oversized-event-delivered",
+                f"an SSE event of {biggest} bytes reached the client, over limits.max_event_bytes "
+                f"({self.ev.max_event_bytes})",
+            )
+
     def check_stream_shape(self) -> None:
         """Invariants 1 and 2 on any SSE body: one attempt's events, one generation's text, whole events."""
         d = self.d
+        self.check_event_sizes()
         content_ids = {p["id"] for p in d.content if isinstance(p.get("id"), str)}
         if len(content_ids) > 1:
             self.flag(
@@ -407,17 +530,7 @@ class _Check:
                 "torn-event",
                 f"the stream ended cleanly inside an event: tail {_short(self.client.body[-200:])}",
             )
-        expected = self.ev.expected_pieces
-        if expected is not None:
-            n = len(d.content)
-            if n > len(expected) or d.text != "".join(expected[:n]):
-                self.flag(
-                    "2",
-                    "not-a-prefix-of-the-generation",
-                    f"the delivered text ({n} content events) is not a prefix of the one generation "
-                    f"({len(expected)} events): a repeated fragment or another answer: got {_short(d.text)}, "
-                    f"expected {_short(''.join(expected[:n]))}",
-                )
+        self.check_prefix_of_the_generation()
         after_done = False
         for p in d.payloads:
             if after_done:
@@ -438,8 +551,7 @@ class _Check:
                     f"a non-streamed 200 that is not one complete generation: finish_reason {finish!r}, "
                     f"completion_tokens {tokens} of max_tokens {sent.max_tokens}",
                 )
-            expected = self.ev.expected_pieces
-            if expected is not None and tokens is not None and d.text != "".join(expected[:tokens]):
+            if tokens is not None and not self.is_the_generation(d.text, tokens):
                 self.flag("2", "unary-text", f"non-streamed text {_short(d.text)} is not the generation's")
         else:
             if d.done_count != 1 or d.payloads[-1] != DONE:
@@ -523,10 +635,232 @@ class _Check:
         self.expect_journal("interrupted", INTERRUPTED, "a stream ended by a terminal frame")
         self.expect_delivered_in_journal(d.delivered_tokens)
 
+    # -- Responses and Messages (tests/api_streams.py reads them)
+
+    def check_named_shape(self) -> None:
+        """Invariants 1 and 2 on a Responses/Messages stream: whole named JSON events of one attempt, one
+        opening and one id, Responses' sequence numbers gapless from 0, one generation's text, nothing after
+        the end."""
+        d, stream, route = self.d, self.d.stream, self.sent.route
+        assert stream is not None
+        self.check_event_sizes()
+        opening = "response.created" if route == "responses" else "message_start"
+        if stream.preambles > 1:
+            self.flag(
+                "1",
+                "several-preambles",
+                f"{stream.preambles} {opening} events in one stream: a dead attempt's opening reached the "
+                f"client beside the winner's (ids {stream.response_ids()})",
+            )
+        if len(set(stream.response_ids())) > 1:
+            self.flag(
+                "2",
+                "events-of-several-answers",
+                f"the stream names {len(set(stream.response_ids()))} answers: {stream.response_ids()}",
+            )
+        if stream.events and stream.names[0] != opening:
+            self.flag("2", "opening-not-first", f"the stream starts with {stream.names[0]}, not {opening}")
+        if d.unparseable:
+            self.flag(
+                "2",
+                "unparseable-event",
+                f"{len(d.unparseable)} event(s) that are not JSON, e.g. {_short(d.unparseable[0])}",
+            )
+        malformed = [e.raw for e in stream.events if e.json_ok and not e.well_formed]
+        if malformed:
+            self.flag(
+                "2",
+                "event-shape",
+                f"{len(malformed)} event(s) that are not one `event:` line naming the data's type and one "
+                f"`data:` line, e.g. {_short(malformed[0])}",
+            )
+        if d.torn_tail and self.client.transport_error is None and not self.client.disconnected:
+            self.flag(
+                "2",
+                "torn-event",
+                f"the stream ended cleanly inside an event: tail {_short(self.client.body[-200:])}",
+            )
+        if route == "responses":
+            numbers = stream.sequence_numbers()
+            if numbers != list(range(len(numbers))):
+                self.flag(
+                    "2",
+                    "sequence-numbers",
+                    "sequence numbers are not gapless from 0 (a loser's events, or ours misnumbered): "
+                    f"{numbers}",
+                )
+        self.check_prefix_of_the_generation()
+        ends = [
+            i
+            for i, name in enumerate(stream.names)
+            if name in api_streams.RESPONSES_CLEAN_END or name in ("message_stop", "response.failed", "error")
+        ]
+        if ends and ends[0] != len(stream.events) - 1:
+            self.flag(
+                "2",
+                "event-after-end",
+                f"events after the stream's end ({stream.names[ends[0]]}): {stream.names[ends[0] + 1 :][:5]}",
+            )
+
+    def check_named_complete(self) -> None:
+        d, sent, route = self.d, self.sent, self.sent.route
+        if d.unary is not None:
+            tokens = api_streams.unary_output_tokens(route, d.unary)
+            if not api_streams.unary_complete(route, d.unary) or (
+                sent.max_tokens is not None and tokens != sent.max_tokens
+            ):
+                self.flag(
+                    "2",
+                    "unary-not-complete",
+                    f"a non-streamed 200 that is not one complete generation: {_short(json.dumps(d.unary))}, "
+                    f"output_tokens {tokens} of {sent.max_tokens}",
+                )
+            if tokens is not None and not self.is_the_generation(d.text, tokens):
+                self.flag("2", "unary-text", f"non-streamed text {_short(d.text)} is not the generation's")
+        else:
+            stream = d.stream
+            assert stream is not None
+            if stream.clean_ends != 1:
+                self.flag("2", "end-count", f"{stream.clean_ends} clean ends: {stream.names[-5:]}")
+            if sent.max_tokens is not None and len(d.content) != sent.max_tokens:
+                self.flag(
+                    "2",
+                    "done-without-whole-generation",
+                    f"a stream ending cleanly without a terminal event carries {len(d.content)} content "
+                    f"events, not the whole generation of {sent.max_tokens}: an interruption labelled "
+                    "complete",
+                )
+            last = stream.events[-1].data if stream.events else {}
+            if route == "responses":
+                response = last.get("response") if isinstance(last, dict) else None
+                details = response.get("incomplete_details") if isinstance(response, dict) else None
+                finished = isinstance(response, dict) and response.get("status") == "incomplete"
+                if (
+                    not finished
+                    or not isinstance(details, dict)
+                    or details.get("reason") != "max_output_tokens"
+                ):
+                    self.flag(
+                        "2",
+                        "finish-reasons",
+                        "a complete Responses stream must end at max_output_tokens: "
+                        f"{_short(json.dumps(last))}",
+                    )
+            else:
+                reasons = [
+                    e.data.get("delta", {}).get("stop_reason")
+                    for e in stream.events
+                    if api_streams.event_name(e) == "message_delta" and isinstance(e.data, dict)
+                ]
+                if reasons != ["max_tokens"]:
+                    self.flag(
+                        "2",
+                        "finish-reasons",
+                        f"a complete Messages stream must stop once at max_tokens: {reasons}",
+                    )
+            if d.usage_tokens is not None and d.usage_tokens != len(d.content):
+                self.flag(
+                    "3",
+                    "usage-mismatch",
+                    f"usage says {d.usage_tokens} output tokens, the client got {len(d.content)}",
+                )
+        self.expect_journal("completed", "completed", "a complete answer")
+        self.expect_delivered_in_journal(d.delivered_tokens)
+
+    def check_named_terminal(self) -> None:
+        """Exactly one terminal event of ours, last, in the client's API: Responses' `response.failed` with
+        the id of the client's `response.created` and the next sequence number, Messages' `event: error` with
+        an Anthropic error type and our code in `details.error_code`; the count is what the client got."""
+        d, route = self.d, self.sent.route
+        stream = d.stream
+        assert stream is not None
+        terminal = stream.terminal_events()
+        n = len(d.content)
+        if len(terminal) != 1:
+            self.flag(
+                "2",
+                "frame-count",
+                f"{len(terminal)} terminal events, not exactly one: {[e.raw[:200] for e in terminal]}",
+            )
+        last = terminal[-1]
+        if stream.events[-1] is not last:
+            self.flag("2", "frame-not-last", f"the terminal event is not the last event: {stream.names[-3:]}")
+        if n == 0:
+            self.flag(
+                "8",
+                "frame-without-content",
+                "a terminal event in a 200 stream that delivered no content: a request without content must "
+                f"end complete or with one JSON HTTP error; got {_short(last.raw)}",
+            )
+        data = last.data if isinstance(last.data, dict) else {}
+        error = api_streams.terminal_error(route, last)
+        if route == "responses":
+            name = api_streams.event_name(last)
+            created = (
+                stream.events[0].data.get("response") if stream.events and stream.events[0].json_ok else None
+            )
+            response = data.get("response") if isinstance(data.get("response"), dict) else {}
+            if name != "response.failed":
+                self.flag(
+                    "2",
+                    "frame-shape",
+                    f"a Responses stream ended by {name}, not our response.failed: {_short(last.raw)}",
+                )
+            elif not isinstance(created, dict) or response.get("id") != created.get("id"):
+                self.flag(
+                    "2",
+                    "frame-identity",
+                    f"response.failed names {response.get('id')!r}, the client's response is "
+                    f"{created.get('id') if isinstance(created, dict) else None!r}",
+                )
+            broken = schema_errors("responses-failed-event", data)
+        else:
+            if error.get("type") not in api_streams.ANTHROPIC_ERROR_TYPES:
+                self.flag(
+                    "2",
+                    "frame-error-type",
+                    f"error.type {error.get('type')!r} is not an Anthropic error type",
+                )
+            details = error.get("details") if isinstance(error.get("details"), dict) else {}
+            if (
+                details.get("error_code") != error.get("code")
+                or data.get("request_id") != self.sent.request_id
+            ):
+                self.flag(
+                    "2",
+                    "frame-shape",
+                    f"our code and request id not where Anthropic's SDK reads them: {data}",
+                )
+            broken = schema_errors("messages-error", data)
+        if broken:
+            self.flag("2", "frame-schema", f"the terminal event breaks its published schema: {broken}")
+        if (
+            error.get("code") != INTERRUPTED
+            or error.get("request_id") != self.sent.request_id
+            or error.get("partial_output") is not True
+            or error.get("retryable") is not False
+        ):
+            self.flag(
+                "2", "frame-shape", f"terminal event without code {INTERRUPTED} naming this request: {error}"
+            )
+        if error.get("delivered_output_tokens") != d.delivered_tokens:
+            self.flag(
+                "3",
+                "frame-count-mismatch",
+                f"terminal event says delivered_output_tokens={error.get('delivered_output_tokens')}, the "
+                f"client got {d.delivered_tokens}",
+            )
+        for marker in api_streams.REPLICA_ERROR_MARKERS:
+            if marker in self.client.body:
+                self.flag("8", "raw-replica-error", f"a replica's own error reached the client: {marker!r}")
+        self.expect_journal("interrupted", INTERRUPTED, "a stream ended by a terminal event")
+        self.expect_delivered_in_journal(d.delivered_tokens)
+
     def check_reset(self) -> None:
         d, client = self.d, self.client
         end, died = self.replica_attempt(self.serving_attempt_id())
-        abrupt = died or (end is not None and end.get("outcome") in ABRUPT_REPLICA_OUTCOMES)
+        abrupt_outcomes = ABRUPT_BY_ROUTE.get(self.sent.route, ABRUPT_REPLICA_OUTCOMES)
+        abrupt = died or (end is not None and end.get("outcome") in abrupt_outcomes)
         # Released by the gateway (the write-ahead says so): the first delta was on its way when the replica
         # died, and Envoy may drop what it had not yet written to the client with the reset
         # (docs/envoy-facts.md#a-reset-stays-a-reset), so "200, then a reset" without content is the honest
@@ -541,7 +875,8 @@ class _Check:
                 f"towards the client: a request that delivered no content must end complete or with one "
                 f"JSON error; got {_short(client.body)}",
             )
-        if d.done_count or d.frames:
+        ended = d.stream.clean_ends if d.stream is not None else d.done_count
+        if ended or d.frames:
             self.flag(
                 "2",
                 "reset-after-end",
@@ -707,7 +1042,8 @@ class _Check:
                 "error-carries-sse",
                 f"HTTP {client.status} carrying SSE events (a dead attempt's bytes): {_short(body)}",
             )
-        for marker in RAW_REPLICA_ERROR_MARKERS:
+        markers = RAW_REPLICA_ERROR_MARKERS + (api_streams.REPLICA_ERROR_MARKERS if self.sent.named else ())
+        for marker in markers:
             if marker in body:
                 self.flag(
                     "8", "raw-replica-error", f"a replica's raw error reached the client: {_short(body)}"
@@ -715,6 +1051,27 @@ class _Check:
         error = self.d.error
         if error is None:
             return
+        if self.sent.route == "messages":
+            # Anthropic's shape: {"type": "error", "error": {"type": <Anthropic's>, …}}, our code where its
+            # SDK reads it (error.details.error_code).
+            try:
+                whole = json.loads(body)
+            except ValueError:
+                whole = {}
+            details = error.get("details") if isinstance(error.get("details"), dict) else {}
+            if (
+                whole.get("type") != "error"
+                or error.get("type") not in api_streams.ANTHROPIC_ERROR_TYPES
+                or details.get("error_code") != error.get("code")
+            ):
+                # Envoy's own local reply (envoy/gateway.yaml's local_reply_config names its flags) is a case
+                # of its own: a known product bug (test_api_contract.py's release race).
+                envoys = "response_flags" in error
+                self.flag(
+                    "8",
+                    "envoy-reply-not-in-the-apis-shape" if envoys else "error-not-in-the-apis-shape",
+                    f"a Messages error that is not Anthropic's shape with our code: {_short(body)}",
+                )
         code = error.get("code")
         if not isinstance(code, str) or not code:
             self.flag(
@@ -780,6 +1137,13 @@ class _Check:
     def check_journal_consistency(self) -> None:
         j = self.journal
         phase = j.get("phase")
+        route = (j.get("input") or {}).get("route")
+        if route is not None and route != JOURNAL_ROUTES[self.sent.route]:
+            self.flag(
+                "9",
+                "journal-route",
+                f"the journal names route {route!r}, the client sent {self.sent.route!r}",
+            )
         if phase not in TERMINAL_PHASES:
             self.flag(
                 "9",
@@ -965,10 +1329,32 @@ def simulated_pieces(route: Route, body: dict[str, Any], *, server_seed: int = 0
     this request: the simulator is deterministic in (seed, model, prompt, max_tokens)."""
     from router_testbed.sim import generation as gen
 
-    kind: gen.Kind = "chat" if route == "chat" else "completion"
+    kind: gen.Kind = {"chat": "chat", "completions": "completion"}.get(route, route)  # type: ignore[assignment]
     request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))
     output = gen.plan_output(request, server_seed)
     return tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in output.pieces)
+
+
+def simulated_variants(
+    route: Route, body: dict[str, Any], fault: str | None, *, server_seed: int = 0
+) -> tuple[tuple[str, ...], ...]:
+    """The generations a simulated replica writes for this request under its fault's `oversize` clauses
+    (content event N's text padded to the clause's size), one per clause."""
+    if not fault or "oversize" not in fault:
+        return ()
+    from router_testbed.sim import generation as gen
+    from router_testbed.sim.faults import DEFAULT_OVERSIZE_BYTES, parse_fault_spec
+
+    kind: gen.Kind = {"chat": "chat", "completions": "completion"}.get(route, route)  # type: ignore[assignment]
+    request = gen.parse_request(kind, json.dumps(body).encode(), served_model=str(body.get("model", "tiny")))
+    output = gen.plan_output(request, server_seed)
+    out = []
+    for clause in parse_fault_spec(fault):
+        if clause.action == "oversize" and clause.point.n is not None:
+            size = clause.size or DEFAULT_OVERSIZE_BYTES
+            padded = gen.with_oversize(output, {clause.point.n: size})
+            out.append(tuple(p if isinstance(p, str) else str(p.get("content") or "") for p in padded.pieces))
+    return tuple(out)
 
 
 def records_by_request(records: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -38,8 +38,9 @@ from router_sidecar.coordination.store import (
     StoreUnavailable,
     keys,
 )
+from router_sidecar.core.events import Event, EventName
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
-from router_sidecar.core.views import journal_event, journal_record
+from router_sidecar.core.views import journal_event, journal_record, rejected_record
 from router_sidecar.records import codec
 
 if TYPE_CHECKING:
@@ -262,6 +263,51 @@ class Journal:
         if self._telemetry is not None:
             self._telemetry.forget(request)
         raise ClaimConflict(record)
+
+    async def record_rejected(
+        self,
+        tenant: str,
+        request_id: str,
+        *,
+        route: str,
+        outcome: str,
+        status: int,
+        reason: str,
+        details: str | None = None,
+    ) -> bool:
+        """Journal a request that another filter answered before any stream of ours saw it (behind an
+        endpoint picker: its own 503 or 429, or the picker unreachable), from Envoy's access log: one terminal
+        record, phase `rejected`, no attempt, with a `request_rejected` event, so that the client finds it by
+        the id it got. Created only where the id is free (never over another run's record), under the
+        retention lease; returns whether this call wrote it. Raises StoreUnavailable (after the claim's
+        patience on a cluster)."""
+        detail: dict[str, Any] = {"reason": reason, "code": outcome, "status": status}
+        if details:
+            detail["details"] = details
+        event = Event(EventName.REQUEST_REJECTED, detail=detail)
+        message = rejected_record(request_id, route=route, outcome=outcome)
+        message.gateway = self._gateway_id
+        if self.instance is not None:
+            message.owner = self.instance
+        record = codec.to_dict(message)
+        del record["updated_at"]  # stamped when written
+        record["events"] = [_encoded(event.as_record(time.time()))]
+        value = _stamped(json.dumps(record, separators=(",", ":")).encode())
+        key = keys.request(tenant, request_id)
+        patience = time.monotonic() + (CLAIM_PATIENCE_SECONDS if self._store.replicated else 0.0)
+        while True:
+            started = time.perf_counter()
+            try:
+                lease = await self._leases.current()
+                existing = await self._store.create(key, value, lease)
+                break
+            except StoreUnavailable:
+                self._written("rejected", started, ok=False)
+                if time.monotonic() >= patience:
+                    raise
+            await asyncio.sleep(CLAIM_RETRY_INTERVAL_SECONDS * random.uniform(0.5, 1.5))
+        self._written("rejected", started, ok=True)
+        return existing is None or existing == value
 
     async def write_ahead(self, request: LogicalRequest) -> None:
         """Persist the current state and return only once it is durable (raises StoreUnavailable)."""

@@ -49,10 +49,11 @@ class Outcome(enum.StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"  # every allowed attempt failed before content
     RETRY_NOT_ALLOWED = "retry_not_allowed"  # cost cap, policy, or no journal to prove a retry safe
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"  # Envoy's cluster retry budget refused the retry
-    REPLICAS_OVERLOADED = "replicas_overloaded"  # the last allowed attempt got 429
+    REPLICAS_OVERLOADED = "replicas_overloaded"  # the last allowed attempt got 429 (or a picker shed it)
     FENCE_UNPROVABLE = "fence_unprovable"
     NO_COMPATIBLE_REPLICA = "no_compatible_replica"
-    NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy found no healthy host to send an attempt to
+    NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy (or an endpoint picker) found no host to send to
+    ENDPOINT_PICKER_UNAVAILABLE = "endpoint_picker_unavailable"  # the picker could not be asked (fail-closed)
     UPSTREAM_ERROR = "upstream_error"
     ENVOY_EXITED = "envoy_exited"  # the gateway's own Envoy died under the stream
     GATEWAY_LOST = "gateway_lost"  # the gateway instance serving it died (its owner lease lapsed)

@@ -484,7 +484,10 @@ class _Response:
     finished: bool = False  # a completing finish_reason was forwarded
     content_events: int = 0
     usage_tokens: int | None = None
-    ended: bool = False
+    ended: bool = False  # nothing more of the response goes to the client
+    # Our end_of_stream went out: nothing more is answered at all (a second end makes Envoy cut the client's
+    # stream when another full-duplex filter is in front, docs/envoy-facts.md).
+    end_sent: bool = False
     # (attempt number, why) of a publishing attempt found lost: before its first content passed here the
     # stream ends right after the chunk that brings it (a later attempt is not concerned).
     publisher_lost: tuple[int, str] | None = None
@@ -1140,9 +1143,12 @@ class LogicalRequest:
         if self.client is not ClientStream.PASSED:
             return []  # replaced by our error, or answered already: nothing of it goes to the client
         if r.ended:
-            # Our end_of_stream went out already: nothing more, not even another end (Envoy cuts the client's
-            # stream on a second one when another full-duplex filter is in front, docs/envoy-facts.md).
-            return []
+            if r.end_sent:
+                return []
+            # Ended at its [DONE]: nothing more is forwarded, and the one end goes with the stream's own end
+            # (or its trailers), which Envoy still has to pass.
+            r.end_sent = e.end_of_stream
+            return [Forward(b"", e.end_of_stream)]
         if not r.streaming:
             return [self._non_stream_chunk(e)]
         whole = r.scanner.pending_size == 0  # nothing carried over: the chunk may be forwarded as it is
@@ -1154,11 +1160,16 @@ class LogicalRequest:
                 # The end ([DONE], or the API's end event with its usage): nothing after it is forwarded.
                 self._count(event)
                 r.done_seen = r.ended = True
+                r.end_sent = e.end_of_stream
                 self._finish(Phase.COMPLETED, Outcome.COMPLETED)
-                return [Forward(_join(events[: index + 1], e.chunk, whole), True)]
+                return [Forward(_join(events[: index + 1], e.chunk, whole), e.end_of_stream)]
             if self.phase is Phase.DECODE:
                 if event.kind is EventKind.ERROR:
                     return [self._terminate(events[:index], "in-band error event after the first delta")]
+                if event.kind is EventKind.MALFORMED:
+                    # The client's parser would choke on it: it never goes out; the stream ends here.
+                    why = "the replica sent an event that is not a JSON object after the first delta"
+                    return [self._terminate(events[:index], why)]
                 if event.finish_reason == "abort":
                     self._count(event)
                     return [self._terminate(events[: index + 1], "finish_reason abort after the first delta")]
@@ -1178,12 +1189,12 @@ class LogicalRequest:
                 # Every content event and the finish were forwarded; only [DONE] was missing: complete.
                 # (Only an API whose end is a marker gets here: the others' finish is their end event.)
                 assert self.dialect.end_marker is not None
-                r.ended = True
+                r.ended = r.end_sent = True
                 self._finish(Phase.COMPLETED, Outcome.COMPLETED)
                 return [Forward(b"".join(ev.raw for ev in events) + self.dialect.end_marker, True)]
             if self.phase is Phase.DECODE:
                 return [self._terminate(events, f"upstream ended without {self.dialect.end_name}")]
-            r.ended = True
+            r.ended = r.end_sent = True
             self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
             return [Forward(_join(events, e.chunk, whole), True)]
         return [Forward(_join(events, e.chunk, whole), False)]
@@ -1197,7 +1208,7 @@ class LogicalRequest:
             if self._notes is not None:
                 self._notes.see_body(e.chunk)
         if e.end_of_stream:
-            r.ended = True
+            r.ended = r.end_sent = True
             if not ok:
                 self._finish(Phase.FAILED, Outcome.UPSTREAM_ERROR)
             elif r.abort_scan.aborted:
@@ -1330,7 +1341,7 @@ class LogicalRequest:
         self, delivered: list[SseEvent], why: str, outcome: Outcome = Outcome.UPSTREAM_DECODE_INTERRUPTED
     ) -> Terminate:
         r = self._response
-        r.ended = True
+        r.ended = r.end_sent = True
         self._emit(
             EventName.STREAM_TERMINATED, reason=why, delivered_output_tokens=self.delivered_output_tokens
         )

@@ -312,10 +312,10 @@ class SseScanner:
     Cost is linear in the input however it is split: held bytes are appended to a buffer, and
     the search for an event's end goes on from where the previous one stopped.
 
-    **Bound.** At most ``max_event_bytes`` are held for one event. When the held bytes (the
-    incomplete event, with the blank lines before it) would exceed it, the scanner drops them
-    and turns ``oversized``: that ``feed`` still returns the events completed before, and every
-    later ``feed`` or ``close`` returns ``[]`` and holds nothing. The caller decides what an
+    **Bound.** No event over ``max_event_bytes`` is held or returned. When an event (with the blank
+    lines before it), complete or not, exceeds it, the scanner drops it and turns ``oversized``:
+    that ``feed`` still returns the events completed before, and every later ``feed`` or
+    ``close`` returns ``[]`` and holds nothing. The caller decides what an
     oversized event means for its stream (fail the attempt, or end the stream with an error).
     """
 
@@ -447,6 +447,9 @@ class SseScanner:
                 if pos < n:
                     self._hold(buf, pos, body, max(n - 1, body), cr=False)
                 return events
+            if end + 2 - pos > self._max_event_bytes:
+                self._stop()  # complete, but over the bound all the same: never returned
+                return events
             events.append(_event(buf, pos, body, end, self._classify))
             pos = end + 2
             if pos == n:
@@ -466,6 +469,9 @@ class SseScanner:
                     self._hold(buf, pos, body, resume, cr=buf.find(b"\r", pos) >= 0)
                 return events
             end = m.end()
+            if end - pos > self._max_event_bytes:
+                self._stop()  # complete, but over the bound all the same: never returned
+                return events
             kind, finish, usage = _classify_lines(buf[body : m.start()], self._classify)
             events.append(SseEvent(buf[pos:end], kind, finish, usage))
             pos = end

@@ -424,7 +424,7 @@ def outcome_sentence(record: Any) -> str:
             f"All {_plural(len(attempts), 'attempt')} failed before any content: the client got one HTTP "
             "error (retries_exhausted), no partial body."
         )
-    if outcome == Outcome.REPLICAS_OVERLOADED:
+    if outcome == Outcome.REPLICAS_OVERLOADED and phase != "rejected":
         return (
             "The last attempt allowed was refused with 429: the client got one error "
             "(replicas_overloaded), with the replica's Retry-After if it sent one."
@@ -442,6 +442,10 @@ def outcome_sentence(record: Any) -> str:
             "nothing is retried after the first delta."
         )
     if phase == "rejected":
+        rejected = _last_event(record, {EventName.REQUEST_REJECTED})
+        why = _clean(rejected.get("reason")) if rejected is not None and rejected.get("reason") else None
+        if why is not None:  # e.g. the endpoint picker's own answer
+            return f"The request was rejected ({outcome_text}): {why}; no attempt was made."
         return f"The request was rejected ({outcome_text}): no attempt was made."
     if phase == "failed":
         because = _FAILED_BECAUSE.get(outcome) if isinstance(outcome, str) else None

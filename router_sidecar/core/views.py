@@ -126,11 +126,15 @@ def rejection_body(rejected: RequestRejected, request_id: str, shape: ErrorShape
 
 
 def request_id_headers(request: LogicalRequest) -> list[tuple[str, str]]:
+    return id_headers(request.request_id, request.dialect.errors)
+
+
+def id_headers(request_id: str, shape: ErrorShape) -> list[tuple[str, str]]:
     """The request id on a response: `x-request-id`, and Anthropic's `request-id` on the Messages API (its
     SDK reads the id there)."""
-    if request.dialect.errors is ErrorShape.ANTHROPIC:
-        return [("x-request-id", request.request_id), ("request-id", request.request_id)]
-    return [("x-request-id", request.request_id)]
+    if shape is ErrorShape.ANTHROPIC:
+        return [("x-request-id", request_id), ("request-id", request_id)]
+    return [("x-request-id", request_id)]
 
 
 def error_headers(request: LogicalRequest, verdict: FailRequest) -> list[tuple[str, str]]:
@@ -175,6 +179,24 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
             if (stored := request.stored_response) is not None
             else None
         ),
+    )
+
+
+def rejected_record(request_id: str, *, route: str, outcome: str) -> rec.JournalRecord:
+    """The journal record of a request that no stream of ours saw, answered before it by another filter (an
+    endpoint picker's own 503 or 429, or the picker unreachable): rejected, no attempt, nothing delivered, its
+    input unread (only its route is known). The journal adds the rest as for every record."""
+    return rec.JournalRecord(
+        request_id=request_id,
+        phase=Phase.REJECTED.value,
+        outcome=outcome,
+        attempt=0,
+        first_delta_sent=False,
+        model="",
+        retry_budget=0,
+        delivered_output_tokens=0,
+        delivered_output_tokens_source="content_events",
+        input=rec.InputRecord(route=route),
     )
 
 

@@ -75,7 +75,7 @@ def _error(
     headers: tuple[tuple[str, str], ...] = (),
     **extra: object,
 ) -> m.ProcessingResponse:
-    extra_headers = [*headers, *([("x-request-id", request_id)] if request_id else [])]
+    extra_headers = [*headers, *(views.id_headers(request_id, shape) if request_id else [])]
     body = views.error_document(shape, status, code, message, request_id, **extra)
     return m.immediate(status, body, extra_headers=extra_headers)
 
@@ -180,7 +180,7 @@ class Inference(PassThrough):
             return m.immediate(
                 rejected.status,
                 views.rejection_body(rejected, request_id, self._shape),
-                extra_headers=[("x-request-id", request_id)],
+                extra_headers=views.id_headers(request_id, self._shape),
             )
         request = r.LogicalRequest(request_id=request_id, tenant=self._tenant, parsed=parsed, policy=policy)
         destinations = await self._destinations(request)
@@ -278,7 +278,7 @@ class Inference(PassThrough):
 
     @property
     def _id_header(self) -> list[tuple[str, str]]:
-        return [("x-request-id", self._request_id)]
+        return views.id_headers(self._request_id, self._shape)
 
     # --- response --------------------------------------------------------------------------------------
 
@@ -458,7 +458,7 @@ def _duplicate_body(duplicate: r.DuplicateRun, request_id: str, shape: ErrorShap
 
 def _in_flight(request_id: str, shape: ErrorShape) -> m.ProcessingResponse:
     body = _in_flight_body(request_id, shape)
-    return m.immediate(409, body, extra_headers=[("x-request-id", request_id)])
+    return m.immediate(409, body, extra_headers=views.id_headers(request_id, shape))
 
 
 def _in_flight_body(request_id: str, shape: ErrorShape) -> bytes:

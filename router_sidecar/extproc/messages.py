@@ -82,15 +82,17 @@ def request_headers_reply(
     mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
 ) -> ProcessingResponse:
     reply = ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(mutation)))
-    if dynamic_metadata is not None:
-        reply.dynamic_metadata.CopyFrom(dynamic_metadata)
-    return reply
+    return _with_metadata(reply, dynamic_metadata)
 
 
 def request_body_reply(
     mutation: ep.HeaderMutation | None = None, dynamic_metadata: Struct | None = None
 ) -> ProcessingResponse:
     reply = ProcessingResponse(request_body=ep.BodyResponse(response=_common(mutation)))
+    return _with_metadata(reply, dynamic_metadata)
+
+
+def _with_metadata(reply: ProcessingResponse, dynamic_metadata: Struct | None) -> ProcessingResponse:
     if dynamic_metadata is not None:
         reply.dynamic_metadata.CopyFrom(dynamic_metadata)
     return reply

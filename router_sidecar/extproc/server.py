@@ -141,7 +141,7 @@ class SidecarServer:
             telemetry=telemetry,
         )
         wire_services.add_external_processor(self._server, ExternalProcessor(services))
-        wire_services.add_access_log_service(self._server, AccessLogServicer(self.registry))
+        wire_services.add_access_log_service(self._server, AccessLogServicer(self.registry, services))
         wire_services.add_endpoint_discovery(self._server, EndpointDiscovery(self.liveness))
 
     async def start(self) -> None:

@@ -300,7 +300,7 @@ def _endpoint_picker(parser: argparse.ArgumentParser) -> None:
         "--endpoint-picker-fail-open",
         action="store_true",
         help="with the picker unreachable, serve requests in the gateway's own order (default: fail closed, "
-        "every request answered 500 by Envoy)",
+        "every inference request answered 503 endpoint_picker_unavailable)",
     )
     parser.add_argument(
         "--endpoint-picker-health-port",

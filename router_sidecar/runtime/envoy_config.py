@@ -18,12 +18,19 @@ from typing import Any
 
 import yaml
 
+from router_sidecar.core.dialects import anthropic_error_type
 from router_sidecar.core.policy import (
     ADMISSION_MARGIN_SECONDS,
     BUDGET,
     ROUTE_POLICY_METADATA,
     Policy,
     RouteOverlay,
+)
+from router_sidecar.extproc.access_log import (  # what the sidecar reads of the access log behind a picker
+    CREDENTIAL_HEADERS,
+    EXT_PROC_ERROR,
+    OUR_DETAILS,
+    PICKER_UNAVAILABLE_STATUS,
 )
 
 # Package data (in a checkout, router_sidecar/envoy links to the repository's envoy/).
@@ -198,7 +205,7 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
     hcm["http_filters"].insert(
         0,
         {
-            "name": "endpoint_picker",
+            "name": PICKER_FILTER,
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "timeout": "0s"},
@@ -218,9 +225,19 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
                     "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                     "receiving_namespaces": {"untyped": ["envoy.lb"]},
                 },
+                # The picker unreachable (or its stream broken): 503, not Envoy's default 500, so that this
+                # local reply is told from our own filter's (500): `endpoint_picker_unavailable`.
+                "status_on_error": {"code": PICKER_UNAVAILABLE_STATUS},
             },
         },
     )
+    # The picker's own answers and its absence reach the client as our JSON errors (its filter's local replies
+    # never reach ours); the sidecar journals them from Envoy's access log, which carries the caller's
+    # credential for that (the tenant of the record) over the sidecar's unix socket.
+    hcm["local_reply_config"]["mappers"][0:0] = _picker_reply_mappers()
+    grpc_log = next(a for a in hcm["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
+    grpc_log["typed_config"]["additional_request_headers_to_log"] = list(CREDENTIAL_HEADERS)
+    _without_picker(hcm)
     # Request trailers pass from an HTTP/1.1 client to the picker and the replica as they came.
     hcm["http_protocol_options"] = {"enable_trailers": True}
     llm = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
@@ -232,18 +249,8 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
     if picker.fail_open:
         # Envoy 1.40 fails open in full duplex only before the body reached the filter (docs/envoy-facts.md):
         # a picker found down by its gRPC health is not dialled at all (no healthy host, panic threshold 0).
-        interval = _seconds(policy.liveness.static_probe_interval_seconds)
-        cluster["health_checks"] = [
-            {
-                "timeout": _seconds(policy.liveness.static_probe_timeout_seconds),
-                "interval": interval,
-                "no_traffic_interval": interval,
-                "unhealthy_threshold": policy.liveness.static_probe_failures,
-                "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
-            }
-        ]
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+        service = {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+        _health_checked(cluster, policy, {"grpc_health_check": service})
         if picker.health_port is not None:
             (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
             endpoint["endpoint"]["health_check_config"] = {"port_value": picker.health_port}
@@ -256,6 +263,130 @@ def _behind_endpoint_picker(config: dict[str, Any], picker: EndpointPicker, poli
             },
         }
     config["static_resources"]["clusters"].append(cluster)
+
+
+PICKER_FILTER = "endpoint_picker"
+CEL_FILTER_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+# A local reply that is neither the sidecar's (its ImmediateResponses say so) nor Envoy's for upstream trouble
+# (those carry response flags): behind a picker, the picker's filter's.
+_NOT_OURS = f"response.code_details != '{OUR_DETAILS}' && response.flags == 0u"
+_PICKER_ERROR = f"response.code_details.startsWith('{EXT_PROC_ERROR}')"  # its gRPC stream failed
+_MESSAGES_API = "request.url_path.matches('^/v1/messages/?$')"  # Anthropic's error shape there
+# (condition, status, code, message) of each answer that is the picker's, in the order they are tried.
+_PICKER_REPLIES = (
+    (
+        f"response.code == {PICKER_UNAVAILABLE_STATUS} && {_PICKER_ERROR}",
+        PICKER_UNAVAILABLE_STATUS,
+        "endpoint_picker_unavailable",
+        "the endpoint picker could not be asked (%RESPONSE_CODE_DETAILS%); no replica was asked",
+    ),
+    (
+        f"response.code == 503 && !{_PICKER_ERROR}",
+        503,
+        "no_replica_available",
+        "the endpoint picker answered 503: %LOCAL_REPLY_BODY%",
+    ),
+    (
+        f"response.code == 429 && !{_PICKER_ERROR}",
+        429,
+        "replicas_overloaded",
+        "the endpoint picker answered 429: %LOCAL_REPLY_BODY%",
+    ),
+)
+
+
+def _picker_reply_mappers() -> list[dict[str, Any]]:
+    """`local_reply_config` mappers for the picker's own answers (503: no ready endpoint, 429: shed) and for
+    the picker unreachable: the JSON error of a request that delivered nothing, in the API's shape
+    (`GatewayErrorBody`, or `MessagesErrorBody` on the Messages API; no attempt was made), with the request id
+    in a header. Envoy keeps the headers the picker set (a `Retry-After`); the body and content type are
+    ours."""
+    mappers = []
+    request_id = "%REQ(X-REQUEST-ID)%"
+    for condition, status, code, message in _PICKER_REPLIES:
+        nothing_delivered: dict[str, Any] = {"attempts": [], "partial_output": False, "retryable": True}
+        anthropic = {
+            "type": "error",
+            "error": {
+                "type": anthropic_error_type(status),
+                "message": message,
+                "code": code,
+                "details": {"error_code": code},
+                "request_id": request_id,
+                "delivered_output_tokens": 0,
+                **nothing_delivered,
+            },
+            "request_id": request_id,
+        }
+        openai = {
+            "error": {
+                "code": code,
+                "message": message,
+                "type": "gateway_error",
+                "request_id": request_id,
+                **nothing_delivered,
+            }
+        }
+        for api, body, id_headers in (
+            (f" && {_MESSAGES_API}", anthropic, ("x-request-id", "request-id")),
+            ("", openai, ("x-request-id",)),
+        ):
+            mappers.append(
+                {
+                    "filter": _cel_filter(f"{_NOT_OURS} && {condition}{api}"),
+                    "headers_to_add": [
+                        {
+                            "header": {"key": name, "value": request_id},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                        for name in id_headers
+                    ],
+                    "body_format_override": {"json_format": body},
+                }
+            )
+    return mappers
+
+
+def _cel_filter(expression: str) -> dict[str, Any]:
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": CEL_FILTER_TYPE,
+                "expression": expression,
+            },
+        }
+    }
+
+
+# Requests the gateway answers itself, which the picker has nothing to choose for: the probes (a picker that
+# is down must not make a gateway look dead), journal look-ups (readable while the picker is away), tool
+# calls.
+_WITHOUT_PICKER: tuple[dict[str, str], ...] = (
+    {"path": "/livez"},
+    {"path": "/readyz"},
+    {"prefix": "/v1/requests/"},
+)
+
+
+def _without_picker(hcm: dict[str, Any]) -> None:
+    """The picker's filter disabled on the routes of requests that are not inference requests."""
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    disabled = {
+        PICKER_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        }
+    }
+    for route in routes:
+        if route["route"]["cluster"].startswith("tool_"):
+            route.setdefault("typed_per_filter_config", {}).update(copy.deepcopy(disabled))
+    catch_all = routes[-1]
+    for match in reversed(_WITHOUT_PICKER):
+        route = copy.deepcopy(catch_all)
+        route["match"] = dict(match)
+        route["typed_per_filter_config"] = copy.deepcopy(disabled)
+        routes.insert(0, route)
 
 
 def _retry_limits(policy: Policy) -> str:
@@ -272,6 +403,12 @@ def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> Non
     """Static replicas have no registry heartbeat: Envoy stops sending new attempts to one that fails its
     /health (the sidecar probes it too, and fences the attempts it holds), never to one merely slow."""
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "llm")
+    _health_checked(cluster, policy, {"http_health_check": {"path": "/health"}})
+
+
+def _health_checked(cluster: dict[str, Any], policy: Policy, check: dict[str, Any]) -> None:
+    """Envoy checks the cluster's hosts as the sidecar probes static replicas (policy `liveness`), and with
+    every host failing answers "no healthy upstream" rather than send to hosts known to be down."""
     interval = _seconds(policy.liveness.static_probe_interval_seconds)
     cluster["health_checks"] = [
         {
@@ -280,11 +417,9 @@ def _health_check_static_replicas(config: dict[str, Any], policy: Policy) -> Non
             "no_traffic_interval": interval,
             "unhealthy_threshold": policy.liveness.static_probe_failures,
             "healthy_threshold": 1,
-            "http_health_check": {"path": "/health"},
+            **check,
         }
     ]
-    # With every replica failing, answer "no healthy upstream" (replaced by the request's JSON error) rather
-    # than route to replicas known to be down.
     cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
 
 

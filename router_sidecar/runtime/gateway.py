@@ -105,6 +105,7 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         static_replicas=tuple(map(str, options.replicas)),
         telemetry=telemetry.telemetry,
     )
+    telemetry.telemetry.read_engines(server.liveness)  # gen_ai.provider.name: a registered replica's engine
     envoy_child: Child | None = None
     announcer: asyncio.Future[None] | None = None
     keep_logs = False
@@ -223,6 +224,7 @@ async def run_sidecar_only(
         static_replicas=tuple(map(str, replicas)),
         telemetry=telemetry.telemetry,
     )
+    telemetry.telemetry.read_engines(server.liveness)  # gen_ai.provider.name: a registered replica's engine
     try:
         with stop_on_signals() as stop:
             await server.start()

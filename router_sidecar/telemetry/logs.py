@@ -2,7 +2,9 @@
 
 The ids come from context variables that each ext_proc stream sets for itself (every stream is its own
 asyncio task, and tasks it starts inherit them), so a log call anywhere below names its request without
-passing it along. Bodies are never logged: nothing here reads one.
+passing it along. What a request is (its API, the engine behind an attempt's replica) the telemetry
+describes once per request (`describe`); a line about it adds those fields, read when the line is written.
+Bodies are never logged: nothing here reads one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import logging
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 LOG_FORMATS = ("text", "json")
@@ -20,6 +24,36 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 attempt_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("attempt_id", default=None)
 trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+
+# What a request's log lines say about it, given the attempt a line is about (or None): its API, and the
+# engine behind the attempt's replica (`api`, `gen_ai.operation.name`, `gen_ai.provider.name`). Kept from
+# admission to the request's end; bounded all the same (a request never ended by a view is forgotten, the
+# oldest first).
+About = Callable[[str | None], dict[str, str]]
+MAX_DESCRIBED = 100_000
+_described: OrderedDict[str, About] = OrderedDict()
+
+
+def describe(request_id: str, about: About) -> None:
+    """What the log lines about `request_id` add (until `forget`)."""
+    _described[request_id] = about
+    _described.move_to_end(request_id)
+    while len(_described) > MAX_DESCRIBED:
+        _described.popitem(last=False)
+
+
+def forget(request_id: str) -> None:
+    _described.pop(request_id, None)
+
+
+def _about(request_id: str, attempt_id: str | None) -> dict[str, str]:
+    about = _described.get(request_id)
+    if about is None:
+        return {}
+    try:
+        return about(attempt_id)
+    except Exception:  # a log line must never fail for what it adds
+        return {}
 
 
 def bind(
@@ -51,6 +85,9 @@ class JsonFormatter(logging.Formatter):
             value = var.get()
             if value is not None:
                 line[key] = value
+        request_id = request_id_var.get()
+        if request_id is not None:
+            line.update(_about(request_id, attempt_id_var.get()))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

@@ -3,14 +3,25 @@
 The journal drains every request's events (stamped with the wall clock) and hands them here as well: a span
 per logical request, a child span per attempt, span events for what happened to each, and the metrics. Nothing
 here decides anything, and nothing runs per chunk: a request's events are a handful, drained when the shells
-already touch the journal. Metric labels are bounded (phase, outcome, reason, proof, code; the model name
-cut to 64 characters, the first 32 names seen, then "other"); no request ids on metrics.
+already touch the journal. Metric labels are bounded (phase, outcome, reason, proof, code; the API, one of
+four; the engine, the first 8 names the registry gave, then "other"; the model name cut to 64 characters,
+the first 32 names seen, then "other"); no request ids on metrics.
+
+Each request names its API and the engine behind it, as the OpenTelemetry GenAI conventions ask:
+`gen_ai.operation.name` is `chat` for chat completions, the Responses API and the Messages API (the
+conventions' value for a chat-style generation; they define none for either of the latter) and
+`text_completion` for completions; `router_sidecar.api` says which of the four routes it was
+(`chat.completions`, `completions`, `responses`, `messages`); `gen_ai.provider.name` is the engine behind the
+replica (`vllm`, `sglang`: the engine a registered replica's agent fingerprinted, `Fingerprint.engine_name`;
+custom values, the conventions list hosted providers only) or `unknown` for a replica nothing registered (a
+static `--replica`: the gateway only probes its /health, which does not say).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +34,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from router_sidecar.core import views
 from router_sidecar.core.events import EventName
 from router_sidecar.core.request import LogicalRequest, Phase
+from router_sidecar.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +50,24 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 FENCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
-_OPERATION = {"chat.completions": "chat", "completions": "text_completion"}
+# gen_ai.operation.name by route: the conventions' `chat` covers the chat-style APIs (OpenAI's Chat
+# Completions and Responses, Anthropic's Messages; the OpenAI conventions tell the first two apart with
+# `openai.api.type`, an attribute for provider `openai` only), `text_completion` the legacy completions.
+_OPERATION = {
+    "chat.completions": "chat",
+    "completions": "text_completion",
+    "responses": "chat",
+    "messages": "chat",
+}
+API = _NS + "api"  # which route: chat.completions, completions, responses, messages
+PROVIDER = "gen_ai.provider.name"
+# The engine behind a replica nothing registered (a static --replica): not known to the gateway.
+UNKNOWN_PROVIDER = "unknown"
+MAX_PROVIDER_LABELS = 8  # engine names come from registrations (operators), bounded anyway
+_PROVIDER_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
+# Where the engine of a replica comes from: the replica's address (HOST:PORT, as attempts name it) or a
+# compatibility pin's fingerprint digest -> the engine's name (None: unknown).
+EngineLookup = Callable[[str], str | None]
 # A client-chosen string on a metric: bounded in length, and in number (later names are "other"). A name takes
 # one of the slots only once it is known to be served: pinned to a registered replica's fingerprint, or a
 # replica sent content for it (static replicas accept any string; a client must not be able to fill them).
@@ -90,6 +119,7 @@ class _Traced:
     accepted_at: float
     attributes: dict[str, str]  # the bounded metric attributes of this request
     attempts: dict[int, trace.Span] = field(default_factory=dict)
+    providers: dict[int, str] = field(default_factory=dict)  # the engine behind each attempt's replica
     attempt_started_at: dict[int, float] = field(default_factory=dict)
     first_delta_at: float | None = None
     last_at: float = 0.0
@@ -103,11 +133,17 @@ class Telemetry:
         self,
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
+        *,
+        engines: EngineLookup | None = None,
+        pinned_engines: EngineLookup | None = None,
     ) -> None:
         self._tracer: Tracer | None = (
             tracer_provider.get_tracer("router_sidecar") if tracer_provider else None
         )
         meter: Meter = (meter_provider or NoOpMeterProvider()).get_meter("router_sidecar")
+        self._engines = engines
+        self._pinned_engines = pinned_engines
+        self._provider_labels: set[str] = set()
         self._model_labels: set[str] = set()
         self._parents: dict[LogicalRequest, otel_context.Context] = {}
         self._open: dict[LogicalRequest, _Traced] = {}
@@ -176,12 +212,49 @@ class Telemetry:
             "placement (divide by extproc.messages for the time per message)",
         )
 
+    # --- where the engines come from ---------------------------------------------------------------------
+
+    def read_engines(self, registry: object) -> None:
+        """Name the engine behind each registered replica from `registry.replicas` (address -> its
+        registration, whose `engine_name` and `digest` the replica agent's fingerprint gave: the gateway's
+        LivenessMonitor). Read at each look-up, so registrations that come and go are followed."""
+
+        def replicas() -> Mapping[str, object]:
+            found = getattr(registry, "replicas", None)
+            return found if isinstance(found, Mapping) else {}
+
+        def engine_of(address: str) -> str | None:
+            return _engine_name(replicas().get(address))
+
+        def engine_of_pin(digest: str) -> str | None:
+            engines = {_engine_name(r) for r in replicas().values() if getattr(r, "digest", None) == digest}
+            return engines.pop() if len(engines) == 1 else None
+
+        self._engines, self._pinned_engines = engine_of, engine_of_pin
+
+    def provider(self, replica: str) -> str:
+        """`gen_ai.provider.name` of the engine behind `replica` (a bounded label)."""
+        return self._provider_label(_lookup(self._engines, replica))
+
     # --- what the shells tell us -------------------------------------------------------------------------
 
     def admitted(self, request: LogicalRequest, headers: Mapping[str, str]) -> None:
-        """The client's trace context (its `traceparent`) is the parent of the request's span."""
+        """The client's trace context (its `traceparent`) is the parent of the request's span. From here on,
+        the log lines about the request name its API, and those about an attempt the engine behind it."""
         if self._tracer is not None and "traceparent" in headers:
             self._parents[request] = _PROPAGATOR.extract(headers)
+        route = request.parsed.kind.value
+        about_request = {"api": route, "gen_ai.operation.name": _OPERATION.get(route, route)}
+
+        def about(attempt_id: str | None) -> dict[str, str]:
+            attempt = request.attempt(attempt_id) if attempt_id else None
+            if attempt is None and request.attempts:
+                attempt = request.attempts[-1]
+            if attempt is None:
+                return about_request
+            return {**about_request, PROVIDER: self.provider(attempt.replica)}
+
+        logs.describe(request.request_id, about)
 
     def traceparent(self, request: LogicalRequest, attempt_number: int) -> str | None:
         """The attempt span's context, for the attempt's request to the replica (None: not tracing)."""
@@ -239,6 +312,8 @@ class Telemetry:
                 traced.first_delta_at = at
                 # A replica sent content for this model: it is served.
                 traced.attributes["gen_ai.request.model"] = self._model_label(request, served=True)
+                if isinstance(attempt, int) and attempt in traced.providers:
+                    traced.attributes[PROVIDER] = traced.providers[attempt]  # the engine that delivered
                 self.ttft.record(max(0.0, at - traced.accepted_at), traced.attributes)
             elif name is EventName.ATTEMPT_FENCED and isinstance(record.get("proof"), str):
                 waited = float(record.get("waited_ms") or 0.0) / 1000
@@ -249,7 +324,7 @@ class Telemetry:
                 self.retries_refused.add(1, {"reason": str(record.get("reason"))})
             elif name is EventName.STREAM_TERMINATED:
                 code = request.outcome.value if request.outcome else "upstream_decode_interrupted"
-                self.terminal_frames.add(1, {"code": code})
+                self.terminal_frames.add(1, {"code": code, API: traced.attributes[API]})
             if name in _SPAN_EVENT:
                 span = traced.attempts.get(attempt) if isinstance(attempt, int) else None
                 target = span if span is not None and name is not EventName.RETRY_REFUSED else traced.span
@@ -265,6 +340,8 @@ class Telemetry:
             self._finished(request)
         except Exception:  # a view must never fail the request it looks at
             log.exception("telemetry: the end of request %s not recorded", request.request_id)
+        finally:
+            logs.forget(request.request_id)
 
     def _finished(self, request: LogicalRequest) -> None:
         self._parents.pop(request, None)
@@ -275,6 +352,9 @@ class Telemetry:
         phase = request.phase.value
         outcome = request.outcome.value if request.outcome else "unknown"
         failed = request.phase is not Phase.COMPLETED
+        if request.attempts and request.attempts[-1].number in traced.providers:
+            # The engine of the attempt that served (or was the last to try): retries stay in one group.
+            traced.attributes[PROVIDER] = traced.providers[request.attempts[-1].number]
         attributes = dict(traced.attributes)
         if failed:
             attributes["error.type"] = outcome
@@ -298,6 +378,7 @@ class Telemetry:
         span = traced.span
         if span is None:
             return
+        span.set_attribute(PROVIDER, traced.attributes[PROVIDER])
         span.set_attribute(_NS + "phase", phase)
         span.set_attribute(_NS + "outcome", outcome)
         span.set_attribute(_NS + "delivered_output_tokens", delivered)
@@ -314,6 +395,7 @@ class Telemetry:
         """Never served (its id was taken): no spans, no metrics."""
         self._parents.pop(request, None)
         self._open.pop(request, None)
+        logs.forget(request.request_id)
 
     # --- internals ---------------------------------------------------------------------------------------
 
@@ -321,8 +403,12 @@ class Telemetry:
         route = str(record.get("route") or request.parsed.kind.value)
         operation = _OPERATION.get(route, route)
         served = request.fingerprint_digest is not None  # pinned to a registered replica that serves it
+        # Pinned to a compatibility group, the engine is known now (every attempt goes to that group).
+        engine = _lookup(self._pinned_engines, request.fingerprint_digest) if served else None
         attributes = {
             "gen_ai.operation.name": operation,
+            PROVIDER: self._provider_label(engine),
+            API: route if route in _OPERATION else "other",
             "gen_ai.request.model": self._model_label(request, served=served),
         }
         span = None
@@ -352,13 +438,30 @@ class Telemetry:
         self._model_labels.add(model)
         return model
 
+    def _provider_label(self, engine: str | None) -> str:
+        if engine is None:
+            return UNKNOWN_PROVIDER
+        name = engine.strip().lower()
+        if not _PROVIDER_RE.fullmatch(name):
+            return UNSERVED_MODEL
+        if name in self._provider_labels:
+            return name
+        if len(self._provider_labels) >= MAX_PROVIDER_LABELS:
+            return UNSERVED_MODEL
+        self._provider_labels.add(name)
+        return name
+
     def _attempt_started(self, traced: _Traced, number: int, record: Mapping[str, Any], at: float) -> None:
         traced.attempt_started_at[number] = at
+        replica = str(record.get("replica") or "")
+        provider = traced.providers[number] = self.provider(replica)
+        if traced.attributes[PROVIDER] == UNKNOWN_PROVIDER:
+            traced.attributes[PROVIDER] = provider
         if traced.span is None or self._tracer is None:
             return
-        replica = str(record.get("replica") or "")
         host, _, port = replica.rpartition(":")
         attributes: dict[str, Any] = {
+            PROVIDER: provider,
             _NS + "attempt": number,
             _NS + "attempt_id": str(record.get("attempt_id") or ""),
             _NS + "replica": replica,
@@ -373,3 +476,19 @@ class Telemetry:
             start_time=_ns(at),
             attributes=attributes,
         )
+
+
+def _engine_name(registration: object) -> str | None:
+    name = getattr(registration, "engine_name", None) if registration is not None else None
+    return name if isinstance(name, str) and name else None
+
+
+def _lookup(lookup: EngineLookup | None, key: str | None) -> str | None:
+    """A look-up that cannot fail the view: an error is an unknown engine."""
+    if lookup is None or key is None:
+        return None
+    try:
+        return lookup(key)
+    except Exception:
+        log.debug("telemetry: no engine for %s", key, exc_info=True)
+        return None

@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import wrappers_pb2 as google_dot_protobuf_dot_wrappers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$router_sidecar/wire/access_log.proto\x12\x16router_sidecar.wire.v1\x1a\x1egoogle/protobuf/wrappers.proto\"\xda\x01\n\x17StreamAccessLogsMessage\x12Y\n\thttp_logs\x18\x02 \x01(\x0b\x32\x44.router_sidecar.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aU\n\x14HTTPAccessLogEntries\x12=\n\tlog_entry\x18\x01 \x03(\x0b\x32*.router_sidecar.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponse\"\xda\x01\n\x12HTTPAccessLogEntry\x12\x42\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.AccessLogCommon\x12>\n\x07request\x18\x03 \x01(\x0b\x32-.router_sidecar.wire.v1.HTTPRequestProperties\x12@\n\x08response\x18\x04 \x01(\x0b\x32..router_sidecar.wire.v1.HTTPResponseProperties\"x\n\x0f\x41\x63\x63\x65ssLogCommon\x12=\n\x0eresponse_flags\x18\x10 \x01(\x0b\x32%.router_sidecar.wire.v1.ResponseFlags\x12&\n\x1eupstream_request_attempt_count\x18\x18 \x01(\r\"+\n\x15HTTPRequestProperties\x12\x12\n\nrequest_id\x18\t \x01(\t\"M\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\"\xf0\x02\n\rResponseFlags\x12 \n\x18upstream_request_timeout\x18\x03 \x01(\x08\x12\x1d\n\x15upstream_remote_reset\x18\x05 \x01(\x08\x12#\n\x1bupstream_connection_failure\x18\x06 \x01(\x08\x12\'\n\x1fupstream_connection_termination\x18\x07 \x01(\x08\x12)\n!downstream_connection_termination\x18\x0f \x01(\x08\x12\x1b\n\x13stream_idle_timeout\x18\x11 \x01(\x08\x12,\n$upstream_max_stream_duration_reached\x18\x14 \x01(\x08\x12\x18\n\x10\x64uration_timeout\x18\x17 \x01(\x08\x12\x1f\n\x17upstream_protocol_error\x18\x18 \x01(\x08\x12\x1f\n\x17\x64ownstream_remote_reset\x18\x1c \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$router_sidecar/wire/access_log.proto\x12\x16router_sidecar.wire.v1\x1a\x1egoogle/protobuf/wrappers.proto\"\xda\x01\n\x17StreamAccessLogsMessage\x12Y\n\thttp_logs\x18\x02 \x01(\x0b\x32\x44.router_sidecar.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aU\n\x14HTTPAccessLogEntries\x12=\n\tlog_entry\x18\x01 \x03(\x0b\x32*.router_sidecar.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponse\"\xda\x01\n\x12HTTPAccessLogEntry\x12\x42\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32\'.router_sidecar.wire.v1.AccessLogCommon\x12>\n\x07request\x18\x03 \x01(\x0b\x32-.router_sidecar.wire.v1.HTTPRequestProperties\x12@\n\x08response\x18\x04 \x01(\x0b\x32..router_sidecar.wire.v1.HTTPResponseProperties\"x\n\x0f\x41\x63\x63\x65ssLogCommon\x12=\n\x0eresponse_flags\x18\x10 \x01(\x0b\x32%.router_sidecar.wire.v1.ResponseFlags\x12&\n\x1eupstream_request_attempt_count\x18\x18 \x01(\r\"\x8b\x02\n\x15HTTPRequestProperties\x12=\n\x0erequest_method\x18\x01 \x01(\x0e\x32%.router_sidecar.wire.v1.RequestMethod\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12Z\n\x0frequest_headers\x18\r \x03(\x0b\x32\x41.router_sidecar.wire.v1.HTTPRequestProperties.RequestHeadersEntry\x1a\x35\n\x13RequestHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12\x1d\n\x15response_code_details\x18\x06 \x01(\t\"\xf0\x02\n\rResponseFlags\x12 \n\x18upstream_request_timeout\x18\x03 \x01(\x08\x12\x1d\n\x15upstream_remote_reset\x18\x05 \x01(\x08\x12#\n\x1bupstream_connection_failure\x18\x06 \x01(\x08\x12\'\n\x1fupstream_connection_termination\x18\x07 \x01(\x08\x12)\n!downstream_connection_termination\x18\x0f \x01(\x08\x12\x1b\n\x13stream_idle_timeout\x18\x11 \x01(\x08\x12,\n$upstream_max_stream_duration_reached\x18\x14 \x01(\x08\x12\x18\n\x10\x64uration_timeout\x18\x17 \x01(\x08\x12\x1f\n\x17upstream_protocol_error\x18\x18 \x01(\x08\x12\x1f\n\x17\x64ownstream_remote_reset\x18\x1c \x01(\x08*\x89\x01\n\rRequestMethod\x12\x16\n\x12METHOD_UNSPECIFIED\x10\x00\x12\x07\n\x03GET\x10\x01\x12\x08\n\x04HEAD\x10\x02\x12\x08\n\x04POST\x10\x03\x12\x07\n\x03PUT\x10\x04\x12\n\n\x06\x44\x45LETE\x10\x05\x12\x0b\n\x07\x43ONNECT\x10\x06\x12\x0b\n\x07OPTIONS\x10\x07\x12\t\n\x05TRACE\x10\x08\x12\t\n\x05PATCH\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router_sidecar.wire.access_log_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_HTTPREQUESTPROPERTIES_REQUESTHEADERSENTRY']._loaded_options = None
+  _globals['_HTTPREQUESTPROPERTIES_REQUESTHEADERSENTRY']._serialized_options = b'8\001'
+  _globals['_REQUESTMETHOD']._serialized_start=1440
+  _globals['_REQUESTMETHOD']._serialized_end=1577
   _globals['_STREAMACCESSLOGSMESSAGE']._serialized_start=97
   _globals['_STREAMACCESSLOGSMESSAGE']._serialized_end=315
   _globals['_STREAMACCESSLOGSMESSAGE_HTTPACCESSLOGENTRIES']._serialized_start=215
@@ -42,10 +46,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HTTPACCESSLOGENTRY']._serialized_end=564
   _globals['_ACCESSLOGCOMMON']._serialized_start=566
   _globals['_ACCESSLOGCOMMON']._serialized_end=686
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=688
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=731
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=733
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=810
-  _globals['_RESPONSEFLAGS']._serialized_start=813
-  _globals['_RESPONSEFLAGS']._serialized_end=1181
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=689
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=956
+  _globals['_HTTPREQUESTPROPERTIES_REQUESTHEADERSENTRY']._serialized_start=903
+  _globals['_HTTPREQUESTPROPERTIES_REQUESTHEADERSENTRY']._serialized_end=956
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=958
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=1066
+  _globals['_RESPONSEFLAGS']._serialized_start=1069
+  _globals['_RESPONSEFLAGS']._serialized_end=1437
 # @@protoc_insertion_point(module_scope)

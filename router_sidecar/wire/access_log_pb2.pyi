@@ -1,11 +1,35 @@
 from google.protobuf import wrappers_pb2 as _wrappers_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    METHOD_UNSPECIFIED: _ClassVar[RequestMethod]
+    GET: _ClassVar[RequestMethod]
+    HEAD: _ClassVar[RequestMethod]
+    POST: _ClassVar[RequestMethod]
+    PUT: _ClassVar[RequestMethod]
+    DELETE: _ClassVar[RequestMethod]
+    CONNECT: _ClassVar[RequestMethod]
+    OPTIONS: _ClassVar[RequestMethod]
+    TRACE: _ClassVar[RequestMethod]
+    PATCH: _ClassVar[RequestMethod]
+METHOD_UNSPECIFIED: RequestMethod
+GET: RequestMethod
+HEAD: RequestMethod
+POST: RequestMethod
+PUT: RequestMethod
+DELETE: RequestMethod
+CONNECT: RequestMethod
+OPTIONS: RequestMethod
+TRACE: RequestMethod
+PATCH: RequestMethod
 
 class StreamAccessLogsMessage(_message.Message):
     __slots__ = ("http_logs",)
@@ -41,16 +65,31 @@ class AccessLogCommon(_message.Message):
     def __init__(self, response_flags: _Optional[_Union[ResponseFlags, _Mapping]] = ..., upstream_request_attempt_count: _Optional[int] = ...) -> None: ...
 
 class HTTPRequestProperties(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_method", "path", "request_id", "request_headers")
+    class RequestHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_METHOD_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    request_method: RequestMethod
+    path: str
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    request_headers: _containers.ScalarMap[str, str]
+    def __init__(self, request_method: _Optional[_Union[RequestMethod, str]] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., request_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class HTTPResponseProperties(_message.Message):
-    __slots__ = ("response_code",)
+    __slots__ = ("response_code", "response_code_details")
     RESPONSE_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_CODE_DETAILS_FIELD_NUMBER: _ClassVar[int]
     response_code: _wrappers_pb2.UInt32Value
-    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ...) -> None: ...
+    response_code_details: str
+    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ..., response_code_details: _Optional[str] = ...) -> None: ...
 
 class ResponseFlags(_message.Message):
     __slots__ = ("upstream_request_timeout", "upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination", "downstream_connection_termination", "stream_idle_timeout", "upstream_max_stream_duration_reached", "duration_timeout", "upstream_protocol_error", "downstream_remote_reset")

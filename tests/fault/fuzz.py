@@ -4,11 +4,14 @@ One environment is a real etcd of our own (restartable on its port), 2–3 simul
 replica agent (heartbeat TTL 2 s, so a frozen replica is seen as lost and fenced), and one gateway
 (`tests.harness.Gateway`, attempt lease TTL 2 s). A trial is drawn from ``random.Random(trial_seed)``:
 
-* 1–32 requests sent at once (mostly few, sometimes many), each chat or completions, stream or not,
-  ``include_usage`` or not, ``max_tokens`` 4..40, its own ``Idempotency-Key`` (= request id) and
-  ``Authorization: Bearer fuzz``; per request a random simulator fault (``x-sim-fault``: action × point ×
-  attempt filter × replica filter, sometimes two clauses) or none; sometimes a client that disconnects
-  after k content events;
+* 1–32 requests sent at once (mostly few, sometimes many), each on one of the four inference routes (chat
+  completions, completions, the Responses API, the Messages API), stream or not, ``include_usage`` or not
+  (chat, completions), ``max_tokens`` 4..40, its own ``Idempotency-Key`` (= request id) and
+  ``Authorization: Bearer fuzz``; per request a random simulator fault that applies to its API
+  (``x-sim-fault``: action × point × attempt filter × replica filter, sometimes two clauses) or none;
+  sometimes a client that disconnects after k content events. The replicas speak vLLM's and SGLang's
+  dialects side by side, so a Responses request that lands on the SGLang one meets its failing route (a
+  text/plain 500, docs/simulator.md) and is retried like any failure before content;
 * sometimes an environment fault during the batch: a replica SIGKILLed (restarted a moment later), a
   replica frozen with SIGSTOP for a moment (slow or lost, not dead), or etcd restarted;
 * sometimes connection-closing replicas (`tests/closing_proxy.py` in front of them): one or every replica
@@ -17,9 +20,10 @@ replica agent (heartbeat TTL 2 s, so a frozen replica is seen as lost and fenced
   `timeout_keep_alive` would); Envoy then hands requests connections the replica is closing.
 
 After the batch every request's evidence (client bytes, journal record, replica logs) is checked with
-`tests.invariants`, and one normal request plus Envoy's pid check invariant 10. A failing trial prints its
-seed, its spec and the evidence; ``--replay SEED`` runs exactly that trial again (same spec; the timing of
-processes is not reproducible, so a race may need a few replays).
+`tests.invariants`, each API by its own rules (`tests.api_streams`: first content, clean end, terminal
+event, one opening, the delivered count), and one normal request plus Envoy's pid check invariant 10. A
+failing trial prints its seed, its spec and the evidence; ``--replay SEED`` runs exactly that trial again
+(same spec; the timing of processes is not reproducible, so a race may need a few replays).
 
     python -m tests.fault.fuzz --trials 100 [--seed S]      # S: the run's seed (random when omitted)
     python -m tests.fault.fuzz --replay 3735928559           # one trial, by its trial seed
@@ -68,9 +72,10 @@ from tests.invariants import (
     count_content_events,
     describe,
     outcome_kind,
-    parse_sse,
     records_by_request,
     simulated_pieces,
+    simulated_variants,
+    stream_ended,
     unfinished_attempts,
 )
 
@@ -98,7 +103,22 @@ ACTION_WEIGHTS: dict[str, float] = {
     "delay": 2,
     "stall": 1,
     "exit": 0.4,
+    "oversize": 0.5,
+    "status429": 0.5,
 }
+# The share of requests per route.
+ROUTE_WEIGHTS: dict[Route, float] = {"chat": 0.4, "completions": 0.15, "responses": 0.225, "messages": 0.225}
+# Faults that do not apply to an API: on Responses and Messages `abort` ends the answer as a normal one
+# (vLLM's Responses `status: completed`, its Messages `stop_reason: null`, SGLang's `end_turn`;
+# docs/simulator.md), a short answer no client or gateway can tell from a whole one, not a failure.
+NOT_ON_ROUTE: dict[str, frozenset[str]] = {
+    "responses": frozenset({"abort"}),
+    "messages": frozenset({"abort"}),
+}
+# Over the gateway's 1 MiB event limit (limits.max_event_bytes) by enough that the event's incomplete part
+# crosses it at a chunk boundary: an event only a little over it is forwarded whole after the first content,
+# a product bug of its own (tests/unit/test_sse_event_bound.py), which would fail most trials here.
+OVERSIZE_BYTES = 3 << 20
 EnvFaultKind = Literal["kill_replica", "freeze_replica", "restart_etcd"]
 
 
@@ -163,11 +183,11 @@ def _draw_closing(rng: random.Random, names: Sequence[str]) -> tuple[tuple[str, 
 
 
 def _draw_request(rng: random.Random, index: int, names: Sequence[str]) -> RequestSpec:
-    route: Route = "chat" if rng.random() < 0.75 else "completions"
+    route: Route = rng.choices(list(ROUTE_WEIGHTS), weights=list(ROUTE_WEIGHTS.values()))[0]
     stream = rng.random() < 0.8
-    include_usage = stream and rng.random() < 0.3
+    include_usage = stream and rng.random() < 0.3 and route in ("chat", "completions")
     max_tokens = rng.randint(4, 40)
-    fault = _draw_fault(rng, max_tokens, names) if rng.random() < 0.55 else None
+    fault = _draw_fault(rng, max_tokens, names, route, stream) if rng.random() < 0.55 else None
     disconnect_after = rng.randint(1, max_tokens - 1) if stream and rng.random() < 0.12 else None
     return RequestSpec(
         index,
@@ -181,24 +201,36 @@ def _draw_request(rng: random.Random, index: int, names: Sequence[str]) -> Reque
     )
 
 
-def _draw_fault(rng: random.Random, max_tokens: int, names: Sequence[str]) -> str:
-    clauses = [_draw_clause(rng, max_tokens, names)]
+def _draw_fault(
+    rng: random.Random, max_tokens: int, names: Sequence[str], route: Route = "chat", stream: bool = True
+) -> str:
+    clauses = [_draw_clause(rng, max_tokens, names, route, stream)]
     if rng.random() < 0.15:
-        clauses.append(_draw_clause(rng, max_tokens, names))
+        clauses.append(_draw_clause(rng, max_tokens, names, route, stream))
     spec = "; ".join(clauses)
     parse_fault_spec(spec)  # a malformed spec fails here, loudly, instead of as a simulator 400
     return spec
 
 
-def _draw_clause(rng: random.Random, max_tokens: int, names: Sequence[str]) -> str:
-    action = rng.choices(list(ACTION_WEIGHTS), weights=list(ACTION_WEIGHTS.values()))[0]
-    if action == "status503":
+def _draw_clause(
+    rng: random.Random, max_tokens: int, names: Sequence[str], route: Route = "chat", stream: bool = True
+) -> str:
+    # A non-streamed answer has no events to oversize: the fault pads its text, a legitimate big answer.
+    excluded = NOT_ON_ROUTE.get(route, frozenset()) | (frozenset() if stream else frozenset({"oversize"}))
+    actions = [a for a in ACTION_WEIGHTS if a not in excluded]
+    action = rng.choices(actions, weights=[ACTION_WEIGHTS[a] for a in actions])[0]
+    n = rng.randint(1, 4) if rng.random() < 0.7 else rng.randint(1, max_tokens + 2)
+    if action in ("status503", "status429"):
         point = "headers"
+    elif action == "oversize":
+        point = f"token:{n}"  # the only point it takes
     else:
-        kind = rng.choices(["headers", "role", "token", "after", "done"], weights=[2, 2, 4, 4, 1])[0]
-        n = rng.randint(1, 4) if rng.random() < 0.7 else rng.randint(1, max_tokens + 2)
+        kinds = ["headers", "role", "token", "after", "done", "terminal"]
+        kind = rng.choices(kinds, weights=[2, 2, 4, 4, 1, 1])[0]
         point = f"{kind}:{n}" if kind in ("token", "after") else kind
     parts = [f"{action}@{point}"]
+    if action == "oversize":
+        parts.append(f"bytes={OVERSIZE_BYTES}")
     if action == "stall":
         parts.append(f"for={rng.uniform(0.1, 1.0):.2f}")  # never an endless stall: that is the deadline's job
     elif action == "delay":
@@ -231,11 +263,14 @@ def trial_seeds(seed: int, trials: int) -> list[int]:
 def request_body(spec: RequestSpec, request_id: str) -> dict[str, Any]:
     # The prompt names the request, so every request has its own deterministic text: content of another
     # request (or another answer) shows up as text that is not a prefix of this request's generation.
+    prompt = f"fuzz {request_id}"
+    if spec.route == "responses":
+        return {"model": "tiny", "stream": spec.stream, "max_output_tokens": spec.max_tokens, "input": prompt}
     body: dict[str, Any] = {"model": "tiny", "stream": spec.stream, "max_tokens": spec.max_tokens}
-    if spec.route == "chat":
-        body["messages"] = [{"role": "user", "content": f"fuzz {request_id}"}]
+    if spec.route in ("chat", "messages"):
+        body["messages"] = [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = f"fuzz {request_id}"
+        body["prompt"] = prompt
     if spec.include_usage:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -489,11 +524,11 @@ async def send_request(
             response_headers = {k.lower(): v for k, v in response.headers.items()}
             async for chunk in response.aiter_raw():
                 raw += chunk
-                if disconnect_after is not None and count_content_events(raw) >= disconnect_after:
-                    payloads, _, _ = parse_sse(raw)
-                    if payloads and payloads[-1] == "[DONE]":
+                if disconnect_after is not None and count_content_events(raw, sent.route) >= disconnect_after:
+                    if stream_ended(raw, sent.route):
                         continue  # the response is over already: leaving now is no disconnect
-                    disconnected, read_at_leave, left_at = True, count_content_events(raw), time.time()
+                    read_at_leave = count_content_events(raw, sent.route)
+                    disconnected, left_at = True, time.time()
                     break  # leaving the block closes the connection: a client disconnect
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -608,6 +643,7 @@ async def gather_evidence(
             replica_records=by_request.get(s.request_id, []),
             live_replica_pids=live,
             expected_pieces=simulated_pieces(s.route, s.body),
+            variant_pieces=simulated_variants(s.route, s.body, s.fault),
             max_attempts=max_attempts,
         )
         for s, outcome in zip(sent, outcomes, strict=True)
@@ -723,6 +759,7 @@ class FuzzReport:
     trials: int = 0
     requests: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
+    by_route: dict[str, Counter[str]] = field(default_factory=dict)  # route → outcome → requests
     violations: list[tuple[int, Violation]] = field(default_factory=list)  # (trial seed, violation)
     failing_seeds: list[int] = field(default_factory=list)
     env_rebuilds: int = 0
@@ -746,6 +783,11 @@ class FuzzReport:
         lines = [
             f"fuzz: seed {self.seed}, {self.trials} trials, {self.requests} requests in {self.seconds:.0f}s",
             "outcomes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.outcomes.items())),
+            *(
+                f"  {route} ({sum(kinds.values())}): "
+                + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+                for route, kinds in sorted(self.by_route.items())
+            ),
             f"attempts that died at their connection before their request was sent (not counted): "
             f"{self.never_sent}",
         ]
@@ -844,6 +886,8 @@ def run_trials(
                 report.requests += len(trial.requests)
                 kinds = Counter(outcome_kind(ev) for ev in result.evidence[: len(trial.requests)])
                 report.outcomes.update(kinds)
+                for ev in result.evidence[: len(trial.requests)]:
+                    report.by_route.setdefault(ev.sent.route, Counter())[outcome_kind(ev)] += 1
                 report.never_sent += sum(
                     a.get("detail") == NOT_SENT
                     for ev in result.evidence

@@ -18,6 +18,15 @@ from tests.fault.fuzz import draw_trial, run_trials, trial_seeds
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(900)]
 
 DEFAULT_TRIALS = 80
+# Product bugs this suite found, each reproduced by a strict xfail test of its own and reported: timing races
+# that a random trial hits now and then. Here they are counted and printed, not failed on (the soak's CLI
+# still fails on them); a check not listed fails the run.
+KNOWN_PRODUCT_BUGS = {
+    "envoy-reply-not-in-the-apis-shape": (
+        "Envoy's own 502 in the release race is not replaced by the request's error (OpenAI-shaped on "
+        "/v1/messages): test_api_contract.py::test_envoys_own_answer_in_the_release_race_is_in_the_apis_shape"
+    ),
+}
 
 
 def test_fuzz_keeps_every_invariant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,7 +42,16 @@ def test_fuzz_keeps_every_invariant(tmp_path: Path, capsys: pytest.CaptureFixtur
         print(report.summary())
     assert report.trials == trials, f"only {report.trials} of {trials} trials ran: {report.env_errors}"
     assert report.requests >= trials
-    assert not report.violations, (
-        f"{len(report.violations)} invariant violations (seed {seed}; replay a trial with "
+    known = [(s, v) for s, v in report.violations if v.check in KNOWN_PRODUCT_BUGS]
+    with capsys.disabled():
+        for check in sorted({v.check for _, v in known}):
+            seen = [s for s, v in known if v.check == check]
+            print(
+                f"known product bug seen {len(seen)} time(s) (trials {sorted(set(seen))[:5]}): "
+                f"{KNOWN_PRODUCT_BUGS[check]}"
+            )
+    unexpected = [(s, v) for s, v in report.violations if v.check not in KNOWN_PRODUCT_BUGS]
+    assert not unexpected, (
+        f"{len(unexpected)} invariant violations (seed {seed}; replay a trial with "
         f"`python -m tests.fault.fuzz --replay TRIAL_SEED`):\n{report.summary()}"
     )

@@ -1,22 +1,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.harness import Gateway, Sim
+from tests.harness import Gateway, Sim, gateway_over, sim_pool
 
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sim]]:
-    work = tmp_path_factory.mktemp("sims")
-    pool = {name: Sim(name, work) for name in ("a", "b")}
-    try:
+    with sim_pool(tmp_path_factory.mktemp("sims"), ("a", "b")) as pool:
         yield pool
-    finally:
-        for sim in pool.values():
-            sim.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +27,5 @@ def _replicas_running(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(scope="module")
 def gateway(etcd: str, sims: dict[str, Sim], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    work: Path = tmp_path_factory.mktemp("gateway")
-    gw = Gateway(replicas=[s.endpoint for s in sims.values()], etcd=etcd, work=work)
-    try:
+    with gateway_over(sims.values(), etcd=etcd, work=tmp_path_factory.mktemp("gateway")) as gw:
         yield gw
-    finally:
-        gw.stop()

@@ -4,11 +4,10 @@ it), the retry to the next entry, a replica down left out with why, and all of i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.harness import Gateway, Sim, chat, poll, post
+from tests.harness import Gateway, Sim, chat, gateway_over, poll, post, sim_pool
 from tests.integration.first_delta_helpers import attempts_logged, finished
 
 pytestmark = pytest.mark.integration
@@ -23,23 +22,14 @@ def served_by(sims: dict[str, Sim], request_id: str, n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sim]]:
-    work = tmp_path_factory.mktemp("sims")
-    pool = {name: Sim(name, work) for name in ("a", "b", "c")}
-    try:
+    with sim_pool(tmp_path_factory.mktemp("sims"), ("a", "b", "c")) as pool:
         yield pool
-    finally:
-        for sim in pool.values():
-            sim.stop()
 
 
 @pytest.fixture(scope="module")
 def gateway3(etcd: str, trio: dict[str, Sim], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    work: Path = tmp_path_factory.mktemp("gateway")
-    gw = Gateway(replicas=[s.endpoint for s in trio.values()], etcd=etcd, work=work)
-    try:
+    with gateway_over(trio.values(), etcd=etcd, work=tmp_path_factory.mktemp("gateway")) as gw:
         yield gw
-    finally:
-        gw.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import Gateway, Sim, poll, post, with_credential
+from tests.harness import Gateway, Sim, gateway_over, poll, post, sim_pool, with_credential
 from tests.integration.first_delta_helpers import finished
 
 pytestmark = pytest.mark.integration
@@ -26,23 +25,16 @@ def body(tokens: int = 3, *, stream: bool = True, **extra: Any) -> dict[str, Any
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sim]]:
-    work = tmp_path_factory.mktemp("sims")
-    pool = {name: Sim(name, work, extra_args=("--responses-store",)) for name in ("a", "b", "c")}
-    try:
+    with sim_pool(
+        tmp_path_factory.mktemp("sims"), ("a", "b", "c"), extra_args=("--responses-store",)
+    ) as pool:
         yield pool
-    finally:
-        for sim in pool.values():
-            sim.stop()
 
 
 @pytest.fixture(scope="module")
 def gateway(etcd: str, stores: dict[str, Sim], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    work: Path = tmp_path_factory.mktemp("gateway")
-    gw = Gateway(replicas=[s.endpoint for s in stores.values()], etcd=etcd, work=work)
-    try:
+    with gateway_over(stores.values(), etcd=etcd, work=tmp_path_factory.mktemp("gateway")) as gw:
         yield gw
-    finally:
-        gw.stop()
 
 
 @pytest.fixture(autouse=True)

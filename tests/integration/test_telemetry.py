@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import CREDENTIAL, Gateway, Sim, chat, free_port, poll, post
+from tests.harness import CREDENTIAL, Agent, Gateway, Sim, chat, free_port, poll, post
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +93,16 @@ def receiver() -> Iterator[OtlpReceiver]:
         otlp.server.stop(0)
 
 
+def _otlp_env(receiver: OtlpReceiver) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans reach the receiver within the test's patience
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "ROUTER_SIDECAR_LOG_FORMAT": "json",
+    }
+
+
 @pytest.fixture(scope="module")
 def observed(
     etcd: str, sims: dict[str, Sim], receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
@@ -104,13 +114,7 @@ def observed(
         etcd=etcd,
         work=work,
         extra_args=("--metrics", f"127.0.0.1:{metrics_port}"),
-        env={
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans reach the receiver within the test's patience
-            "OTEL_METRIC_EXPORT_INTERVAL": "500",
-            "ROUTER_SIDECAR_LOG_FORMAT": "json",
-        },
+        env=_otlp_env(receiver),
     )
     gw.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
     try:
@@ -153,6 +157,11 @@ def test_a_retried_request_is_one_trace_with_a_span_per_attempt(
     assert root["name"] == "chat tiny"
     attributes = root["attributes"]
     assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.request.model"] == "tiny"
+    # Static replicas: nothing registered their engine.
+    assert (attributes["router_sidecar.api"], attributes["gen_ai.provider.name"]) == (
+        "chat.completions",
+        "unknown",
+    )
     assert attributes["router_sidecar.phase"] == "completed"
     assert attributes["router_sidecar.delivered_output_tokens"] == 5
     assert attributes["gen_ai.usage.output_tokens"] == 5
@@ -277,3 +286,96 @@ def test_json_logs_name_the_request_and_its_trace(observed: Gateway) -> None:
         line["level"] == "INFO" and "failed before any content (upstream_status): retrying" in line["message"]
     )
     assert (line["attempt_id"], line["trace_id"]) == (first["attempt_id"], CLIENT_TRACE_ID)
+    # What the request is: its API, and the engine behind the attempt's replica (static: unknown).
+    assert (line["api"], line["gen_ai.operation.name"], line["gen_ai.provider.name"]) == (
+        "chat.completions",
+        "chat",
+        "unknown",
+    )
+
+
+# --- each API, and the engine behind a registered replica -----------------------------------------------
+
+RESPONSES_BODY = {"model": "tiny", "input": "Say something", "stream": True, "max_output_tokens": 4}
+MESSAGES_BODY = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Say something"}],
+    "stream": True,
+    "max_tokens": 4,
+}
+
+
+def test_each_api_is_named_on_spans_and_metrics(observed: Gateway, receiver: OtlpReceiver) -> None:
+    """The Responses and Messages APIs are `chat` operations by the GenAI conventions; which route it was is
+    `router_sidecar.api`, on the spans and the metrics."""
+    for path, body, api in (
+        ("/v1/responses", RESPONSES_BODY, "responses"),
+        ("/v1/messages", MESSAGES_BODY, "messages"),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "Say", "stream": True, "max_tokens": 4},
+            "completions",
+        ),
+    ):
+        result = post(f"{observed.url}{path}", body)
+        assert result.status == 200 and result.request_id, result.body[:200]
+        spans = _spans(receiver, result.request_id, 2)
+        [root] = [s for s in spans if s["parent_span_id"] == ""]
+        operation = "text_completion" if api == "completions" else "chat"
+        assert root["name"] == f"{operation} tiny"
+        assert (
+            root["attributes"]["gen_ai.operation.name"],
+            root["attributes"]["router_sidecar.api"],
+            root["attributes"]["gen_ai.provider.name"],
+        ) == (operation, api, "unknown")
+        [attempt] = [s for s in spans if s["parent_span_id"] == root["span_id"]]
+        assert attempt["attributes"]["gen_ai.provider.name"] == "unknown"
+    families: dict[str, list[Any]] = {}
+
+    def scraped() -> bool:
+        nonlocal families
+        families = _scrape(observed)
+        apis = {
+            s.labels.get("router_sidecar_api")
+            for s in families.get("gen_ai_server_time_to_first_token_seconds", [])
+            if s.name.endswith("_count")
+        }
+        return {"responses", "messages", "completions"} <= apis
+
+    poll(scraped, timeout=15, what="the three APIs in the Prometheus scrape")
+    [count] = [
+        s
+        for s in families["gen_ai_server_time_to_first_token_seconds"]
+        if s.name.endswith("_count") and s.labels["router_sidecar_api"] == "messages"
+    ]
+    assert (
+        count.labels["gen_ai_operation_name"] == "chat" and count.labels["gen_ai_provider_name"] == "unknown"
+    )
+
+
+def test_a_registered_replica_names_its_engine(
+    etcd: str, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Behind discovery, the engine the replica agent fingerprinted (the simulator answers /v1/models as
+    vLLM does, `owned_by: "vllm"`) is `gen_ai.provider.name` on the request span (from its pin, at its
+    start) and on the attempt span."""
+    work: Path = tmp_path_factory.mktemp("telemetry-registered")
+    sim = Sim("registered", work)
+    agent = gateway = None
+    try:
+        agent = Agent(sim, etcd, work)
+        gateway = Gateway(replicas=[], etcd=etcd, work=work, env=_otlp_env(receiver))
+        result = post(f"{gateway.url}/v1/messages", MESSAGES_BODY)
+        assert result.status == 200 and result.request_id, result.body[:200]
+        spans = _spans(receiver, result.request_id, 2)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if agent is not None:
+            agent.stop()
+        sim.stop()
+    [root] = [s for s in spans if s["parent_span_id"] == ""]
+    [attempt] = [s for s in spans if s["parent_span_id"] == root["span_id"]]
+    assert root["attributes"]["router_sidecar.api"] == "messages"
+    assert root["attributes"]["gen_ai.provider.name"] == "vllm"
+    assert attempt["attributes"]["gen_ai.provider.name"] == "vllm"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from pathlib import Path
@@ -155,3 +156,83 @@ def test_scale_curve_rows_and_saturation() -> None:
     assert lines[2].split() == ["1", "0.100/0.200", "0.400/0.800", "260.0", "20%", "800", "-", "-"]
     assert lines[-1] == "the gateway carried at most 8000 chunks/s (at N = 10)"
     assert stream_overhead._widths("1,10,50") == (1, 10, 50)
+
+
+def test_the_responses_upstream_speaks_the_responses_api() -> None:
+    """What the bench upstream writes on /v1/responses is what the gateway's Responses dialect reads: a
+    preamble, content deltas, the clean end; sequence numbers from 0 without a gap."""
+    from router_sidecar.core.dialects import classify_responses
+
+    stamps = [time.monotonic_ns() + i for i in range(3)]
+    events = [
+        *sse_upstream.responses_opening(),
+        *sse_upstream.responses_item_opened(),
+        *(
+            sse_upstream.responses_delta(t, sse_upstream.RESPONSES_FIRST_DELTA + i)
+            for i, t in enumerate(stamps)
+        ),
+        *sse_upstream.responses_closing("".join(map(str, stamps)), sse_upstream.RESPONSES_FIRST_DELTA + 3, 3),
+    ]
+    scanned = SseScanner(classify=classify_responses).feed(b"".join(events))
+    kinds = [e.kind for e in scanned]
+    assert kinds == [EventKind.NON_CONTENT] * 4 + [EventKind.CONTENT] * 3 + [EventKind.NON_CONTENT] * 3 + [
+        EventKind.DONE
+    ]
+    numbers = [json.loads(e.split(b"data: ", 1)[1])["sequence_number"] for e in events]
+    assert numbers == list(range(len(events)))
+
+
+def test_upstream_and_client_end_to_end_on_the_responses_api() -> None:
+    async def run() -> stream_overhead.StreamResult:
+        server = await asyncio.start_server(lambda r, w: sse_upstream._handle(r, w, 0.0, 0.0), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = stream_overhead.Client(port)
+        try:
+            await client.stream(5, timeout=10)  # a chat stream first: one keep-alive connection, either API
+            return await client.stream(100, timeout=10, api="responses")
+        finally:
+            client.close()
+            server.close()
+            await server.wait_closed()
+
+    result = asyncio.run(run())
+    assert result.error is None and result.done and result.status == 200
+    assert len(result.latencies_ns) == 100  # only the deltas: the .done events' text is not counted
+    assert result.ttfd_ns is not None
+
+
+def test_the_apis_side_by_side() -> None:
+    def setup(name: str, ttfd_ms: float, latency_ms: float, cpu: dict[str, float]) -> stream_overhead.Setup:
+        s = stream_overhead.Setup(name, 1, 2, 3 if "sidecar" in cpu else None)
+        s.streams = [
+            stream_overhead.StreamResult(
+                sent_ns=0,
+                first_content_ns=int(ttfd_ms * 1e6),
+                latencies_ns=[int(latency_ms * 1e6)] * 1000,
+                done=True,
+            )
+        ]
+        s.cpu = cpu
+        return s
+
+    phases = {
+        "sequential": [
+            setup("plain", 2, 0.1, {"envoy": 0.05}),
+            setup("gateway", 10, 0.5, {"envoy": 0.1, "sidecar": 0.3}),
+        ],
+        "sequential responses": [
+            setup("plain", 2, 0.1, {"envoy": 0.05}),
+            setup("gateway", 12, 0.6, {"envoy": 0.1, "sidecar": 0.33}),
+        ],
+    }
+    args = stream_overhead.parse_args(["--chunks", "1000"])
+    assert args.apis == ("chat", "responses")
+    lines = stream_overhead.api_table(phases, args, "sequential").splitlines()
+    assert lines[1].split() == ["/v1/chat/completions", "/v1/responses"]
+    assert lines[3].removeprefix("time to first content p50 (ms)").split() == [
+        *("2.000", "10.000", "+8.000", "5.0×"),
+        *("2.000", "12.000", "+10.000", "6.0×"),
+    ]
+    assert lines[-2].split()[-4:] == ["-", "300.0", "-", "330.0"]  # sidecar µs per chunk
+    assert stream_overhead.parse_args(["--apis", "responses"]).apis == ("responses",)
+    assert "not measured" in stream_overhead.targets({}, stream_overhead.parse_args(["--apis", "responses"]))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from router_testbed.drill import apis
 from router_testbed.drill import verdicts as v
 from router_testbed.drill.cli import Options, UsageError, select
 from router_testbed.drill.evidence import Exchange, HookRun, journal_settled, read_events
@@ -120,8 +121,10 @@ def streamed(
     disconnected: bool = False,
     replica_records: list[dict[str, Any]] = (),  # type: ignore[assignment]
     max_tokens: int = 8,
+    api: str = "chat",
 ) -> Exchange:
-    x = Exchange("the request", "POST", "/v1/chat/completions", KEY, stream=True, max_tokens=max_tokens)
+    path = apis.API[api].path
+    x = Exchange("the request", "POST", path, KEY, stream=True, max_tokens=max_tokens, api=api)
     x.sent_at, x.headers_at = T0, T0 + 0.05
     x.status = 200
     x.headers = {"content-type": "text/event-stream; charset=utf-8", "x-request-id": KEY}
@@ -851,7 +854,8 @@ def test_the_report_has_one_picture_per_request_and_nothing_external() -> None:
     data = to_json(info, results)
     assert data["passed"] is False and [len(s["exchanges"]) for s in data["scenarios"]] == [1, 2]
     table = verdict_table(results)
-    assert table.splitlines()[1].split()[:3] == ["healthy", "none", "PASS"]
+    assert table.splitlines()[0].split()[:2] == ["scenario", "api"]
+    assert table.splitlines()[1].split()[:4] == ["healthy", "chat", "none", "PASS"]
 
 
 # --- a replica frozen before the first delta: fenced, then retried ---------------------------------------
@@ -1016,7 +1020,7 @@ def test_the_report_counts_what_applied() -> None:
         == "1/1 scenarios passed (1 not applicable to this gateway) in 1.0s"
     )
     table = verdict_table([passed, skipped])
-    assert re.search(r"^  healthy +none +PASS +5/5 \+1 N/A ", table, re.MULTILINE), table
+    assert re.search(r"^  healthy +chat  none +PASS +5/5 \+1 N/A ", table, re.MULTILINE), table
     assert "N/A duplicate-key: not router-sidecar: ..." in table
 
 
@@ -1025,3 +1029,409 @@ def test_an_openai_style_base_url_is_taken() -> None:
 
     assert gateway_base("http://gw:8080/v1/") == gateway_base("http://gw:8080") == "http://gw:8080"
     assert gateway_base("https://api.example.com/openai/v1") == "https://api.example.com/openai"
+
+
+# --- the Responses API and the Messages API: each judged by its own rules -----------------------------
+
+RESP_ID, RESP_ID_B = "resp_7e1fa74e0090858e", "resp_86ec0c8b93bc3750"
+
+
+def named(payload: dict[str, Any], name: str | None = None) -> bytes:
+    """A named event as the engines write it: `event: <type>` then its data."""
+    return f"event: {name or payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def numbered(payloads: list[dict[str, Any]], start: int = 0) -> list[dict[str, Any]]:
+    """Responses events with their sequence numbers, counted from `start`."""
+    return [{**p, "sequence_number": start + i} for i, p in enumerate(payloads)]
+
+
+def responses_events(n: int = 8, rid: str = RESP_ID, *, end: bool = True) -> list[dict[str, Any]]:
+    """A Responses stream as vLLM writes it (sequence numbers from 0): the preamble, `n` text deltas and,
+    with `end`, the closing `.done` events and `response.completed` (status incomplete: max_output_tokens)."""
+    response = {"id": rid, "object": "response", "created_at": 1796410389, "model": "tiny"}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": {**response, "status": "in_progress"}},
+        {"type": "response.in_progress", "response": {**response, "status": "in_progress"}},
+        {"type": "response.output_item.added", "item": {"id": "msg_1", "type": "message"}, "output_index": 0},
+        {"type": "response.content_part.added", "item_id": "msg_1", "part": {"type": "output_text"}},
+        *({"type": "response.output_text.delta", "delta": WORDS[i], "item_id": "msg_1"} for i in range(n)),
+    ]
+    if end:
+        usage = {"input_tokens": 10, "output_tokens": n, "total_tokens": 10 + n}
+        events += [
+            {"type": "response.output_text.done", "text": "".join(WORDS[:n]), "item_id": "msg_1"},
+            {"type": "response.completed", "response": {**response, "status": "incomplete", "usage": usage}},
+        ]
+    return numbered(events)
+
+
+def response_failed(after: list[dict[str, Any]], delivered: int, *, rid: str = RESP_ID) -> dict[str, Any]:
+    """Our terminal event: the client's response id, the next sequence number."""
+    error = {
+        "code": "upstream_decode_interrupted",
+        "message": "upstream ended without response.completed",
+        "request_id": KEY,
+        "partial_output": True,
+        "delivered_output_tokens": delivered,
+        "retryable": False,
+    }
+    return {
+        "type": "response.failed",
+        "sequence_number": after[-1]["sequence_number"] + 1,
+        "response": {"id": rid, "object": "response", "status": "failed", "error": error},
+    }
+
+
+def messages_events(n: int = 8, mid: str = "msg_01", *, end: bool = True) -> list[dict[str, Any]]:
+    """A Messages stream as vLLM writes it: message_start, a text block, `n` deltas and, with `end`, the
+    block's stop, message_delta (stop_reason, output tokens) and message_stop."""
+    events: list[dict[str, Any]] = [
+        {
+            "type": "message_start",
+            "message": {"id": mid, "type": "message", "role": "assistant", "content": [], "model": "tiny"},
+        },
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        *(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": WORDS[i]}}
+            for i in range(n)
+        ),
+    ]
+    if end:
+        events += [
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": n}},
+            {"type": "message_stop"},
+        ]
+    return events
+
+
+def messages_error(delivered: int, *, kind: str = "api_error", code: str = v.INTERRUPTED) -> dict[str, Any]:
+    error = {
+        "type": kind,
+        "message": "upstream ended without message_stop",
+        "code": code,
+        "details": {"error_code": code},
+        "request_id": KEY,
+        "partial_output": True,
+        "delivered_output_tokens": delivered,
+        "retryable": False,
+    }
+    return {"type": "error", "error": error, "request_id": KEY}
+
+
+def api_stream(
+    api: str, payloads: list[dict[str, Any]], journal: dict[str, Any] | None, **kw: Any
+) -> Exchange:
+    return streamed([named(p) for p in payloads], journal, api=api, **kw)
+
+
+def test_the_reader_knows_each_apis_events() -> None:
+    view = v.read_stream(api_stream("responses", responses_events(2), COMPLETE))
+    assert [e.kind for e in view.events] == ["other"] * 4 + ["content", "content", "other", "done"]
+    assert (view.text, view.usage_tokens, view.ids, view.finish_reasons) == (
+        "xoeffn",
+        2,
+        {RESP_ID},
+        ["incomplete"],
+    )
+    assert view.sequence_numbers == list(range(8)) and view.preamble_count == 1
+    view = v.read_stream(api_stream("messages", messages_events(2), COMPLETE))
+    assert [e.kind for e in view.events] == ["other", "other", "content", "content", "other", "other", "done"]
+    assert (view.text, view.usage_tokens, view.finish_reasons) == ("xoeffn", 2, ["max_tokens"])
+    # A tool call's opening is its first content: Responses' function_call item, Messages' tool_use block.
+    call = {"type": "response.output_item.added", "item": {"type": "function_call", "name": "f"}}
+    tool = {"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "name": "f"}}
+    assert v.read_stream(api_stream("responses", [call], None)).events[0].kind == "content"
+    assert v.read_stream(api_stream("messages", [tool], None)).events[0].kind == "content"
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_healthy_answer_passes_on_each_api(api: str) -> None:
+    payloads = responses_events() if api == "responses" else messages_events()
+    x = api_stream(api, payloads, COMPLETE)
+    x.expected_pieces = WORDS
+    verdict = v.judge_healthy(v.Evidence([x], sim=True))
+    assert verdict.passed, failed_checks(verdict)
+    end = "response.completed/response.incomplete" if api == "responses" else "message_stop"
+    assert f"client: one complete answer: exactly one {end}, last; no error event; no reset" in [
+        c.what for c in verdict.checks
+    ]
+
+
+def test_responses_a_retry_must_not_add_a_second_preamble() -> None:
+    """The failed attempt's response.created (another id, its own numbering from 0) reached the client
+    before the winner's: two preambles, two ids, sequence numbers starting over."""
+    dead = responses_events(0, RESP_ID_B, end=False)[:2]
+    x = api_stream("responses", [*dead, *responses_events()], RETRIED)
+    verdict = v.judge_retried(v.Evidence([x]))
+    assert failed_checks(verdict) == [
+        (
+            "client: every event comes from one answer (one response id)",
+            f"ids {sorted([RESP_ID, RESP_ID_B])}",
+        ),
+        (
+            "client: one preamble: exactly one response.created, sequence numbers 0, 1, 2, … without a gap "
+            "or repeat",
+            "2 response.createds; sequence numbers [0..1, 0..13]",
+        ),
+    ]
+
+
+def test_responses_a_gap_in_the_sequence_numbers_is_a_violation() -> None:
+    events = responses_events()
+    del events[5]  # one delta the client never got: the numbers jump from 4 to 6
+    x = api_stream("responses", events, {**COMPLETE, "delivered_output_tokens": 8})
+    verdict = v.judge_healthy(v.Evidence([x]))
+    assert (
+        "client: one preamble: exactly one response.created, sequence numbers 0, 1, 2, … without a gap or "
+        "repeat",
+        "1 response.created; sequence numbers [0..4, 6..13]",
+    ) in failed_checks(verdict)
+
+
+def test_responses_the_terminal_event_continues_the_clients_stream() -> None:
+    prefix = responses_events(3, end=False)
+    honest = api_stream("responses", [*prefix, response_failed(prefix, 3)], TERMINATED)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([honest], expect={"content_before_fault": 3}))
+    assert verdict.passed, failed_checks(verdict)
+    # Another response's id, a sequence number that starts over: not this stream's end.
+    wrong = {**response_failed(prefix, 3, rid=RESP_ID_B), "sequence_number": 0}
+    x = api_stream("responses", [*prefix, wrong], TERMINATED)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([x], expect={"content_before_fault": 3}))
+    assert failed_checks(verdict) == [
+        (
+            "client: the terminal event continues the stream: the response id of response.created, the next "
+            "sequence number",
+            f"response.failed of {RESP_ID_B} (response.created: {RESP_ID}), sequence_number 0 after 6",
+        ),
+        (
+            "client: every event comes from one answer (one response id)",
+            f"ids {sorted([RESP_ID, RESP_ID_B])}",
+        ),
+        (
+            "client: one preamble: exactly one response.created, sequence numbers 0, 1, 2, … without a gap "
+            "or repeat",
+            "1 response.created; sequence numbers [0..6, 0]",
+        ),
+    ]
+
+
+def test_responses_a_silent_cut_a_done_marker_or_a_completion_after_the_failure_are_violations() -> None:
+    prefix = responses_events(3, end=False)
+    cut = api_stream("responses", prefix, TERMINATED)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([cut], expect={"content_before_fault": 3}))
+    assert failed_checks(verdict) == [
+        (
+            "client: exactly one terminal event (response.failed), last; no response.completed/"
+            "response.incomplete",
+            "HTTP 200, 3 content events, 0× response.completed/response.incomplete; last events "
+            "['response.output_text.delta', 'response.output_text.delta', 'response.output_text.delta']",
+        )
+    ]
+    failed = response_failed(prefix, 3)
+    completed = {"type": "response.completed", "sequence_number": 8, "response": {"id": RESP_ID}}
+    both = streamed([*map(named, [*prefix, failed, completed]), DONE], TERMINATED, api="responses")
+    verdict = v.judge_frame_after_first_delta(v.Evidence([both], expect={"content_before_fault": 3}))
+    assert [c.what for c in verdict.failed] == [
+        "client: exactly one terminal event (response.failed), last; no response.completed/"
+        "response.incomplete",
+        "client: every complete event is JSON and named by its type; nothing after "
+        "response.completed/response.incomplete or response.failed; no [DONE] (the API has none)",
+    ]
+    assert verdict.failed[1].seen == "0 unparseable, 2 after the end, 1× [DONE]"
+
+
+def test_responses_an_in_band_error_that_cuts_the_body_may_reset() -> None:
+    """vLLM's Responses route writes no error event: it cuts the body as a dying engine does. With the
+    scenario's allowance the verdict is a replica death's, and it says why."""
+    prefix = responses_events(2, end=False)
+    journal = {**TERMINATED, "delivered_output_tokens": 2}
+    x = api_stream("responses", prefix, journal, transport_error="RemoteProtocolError: peer closed")
+    x.replica_records = replica_end("att_1", outcome="fault:error", written=2)
+    allow = {"content_before_fault": 2, "allow_reset": "vLLM cuts the body"}
+    verdict = v.judge_frame_after_first_delta(v.Evidence([x], sim=True, expect=allow))
+    assert verdict.passed, failed_checks(verdict)
+    assert verdict.notes == ["a reset, not a terminal event: vLLM cuts the body"]
+    strict = v.judge_frame_after_first_delta(v.Evidence([x], expect={"content_before_fault": 2}))
+    assert next(c.what for c in strict.failed).startswith(
+        "client: exactly one terminal event (response.failed)"
+    )
+
+
+def test_messages_a_retry_must_not_add_a_second_message_start() -> None:
+    dead = messages_events(0, "msg_dead", end=False)[:1]
+    x = api_stream("messages", [*dead, *messages_events()], RETRIED)
+    verdict = v.judge_retried(v.Evidence([x]))
+    assert failed_checks(verdict) == [
+        ("client: every event comes from one answer (one message id)", "ids ['msg_01', 'msg_dead']"),
+        ("client: one preamble: exactly one message_start", "2 message_starts"),
+    ]
+
+
+def test_messages_the_terminal_event_is_an_anthropic_error() -> None:
+    prefix = messages_events(3, end=False)
+    x = api_stream("messages", [*prefix, messages_error(3)], TERMINATED)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([x], expect={"content_before_fault": 3}))
+    assert verdict.passed, failed_checks(verdict)
+    # vLLM's own in-band error (type internal_error, not Anthropic's) passed through, then message_stop.
+    raw = {"type": "error", "error": {"type": "internal_error", "message": "1 validation error"}}
+    x = api_stream("messages", [*prefix, raw, {"type": "message_stop"}], TERMINATED)
+    verdict = v.judge_frame_after_first_delta(v.Evidence([x], expect={"content_before_fault": 3}))
+    assert [c.what for c in verdict.failed] == [
+        "client: exactly one terminal event (event: error), last; no message_stop",
+        "client: the error event has one of Anthropic's error types (its SDK raises by it)",
+        "client: the error event says code=upstream_decode_interrupted (and details.error_code), this "
+        "request_id, partial_output=true, retryable=false",
+        "client: the error event's delivered_output_tokens equals what the client got",
+        "client: every complete event is JSON and named by its type; nothing after message_stop or event: "
+        "error; no [DONE] (the API has none)",
+    ]
+    assert verdict.failed[1].seen == "error.type 'internal_error'"
+
+
+def test_an_event_named_otherwise_than_its_type_is_a_violation() -> None:
+    payloads = messages_events()
+    body = [named(p) for p in payloads]
+    body[2] = named(payloads[2], name="content_block_start")
+    x = streamed(body, COMPLETE, api="messages")
+    verdict = v.judge_healthy(v.Evidence([x]))
+    assert failed_checks(verdict) == [
+        (
+            "client: every complete event is JSON and named by its type; nothing after message_stop or "
+            "event: error; no [DONE] (the API has none)",
+            "0 unparseable, 0 after the end, 0× [DONE], named not by their type: "
+            "['content_block_start≠content_block_delta']",
+        )
+    ]
+
+
+def anthropic_error(status: int, body: dict[str, Any], *, label: str = "the request") -> Exchange:
+    x = json_error(status, {}, label=label)
+    x.api, x.path = "messages", "/v1/messages"
+    x.headers["request-id"] = KEY
+    x.body = json.dumps(body).encode()
+    return x
+
+
+def test_errors_before_content_are_in_each_apis_shape() -> None:
+    ours = {
+        "type": "error",
+        "error": {
+            "type": "api_error",
+            "message": "all 2 attempts failed",
+            "code": "retries_exhausted",
+            "details": {"error_code": "retries_exhausted"},
+            "request_id": KEY,
+        },
+        "request_id": KEY,
+    }
+    x = anthropic_error(502, ours)
+    x.journal_status, x.journal = 200, FAILED
+    verdict = v.judge_all_replicas_fail(v.Evidence([x]))
+    assert verdict.passed, failed_checks(verdict)
+    assert (
+        'client: the error body is in the Messages API\'s shape (Anthropic\'s {"type": "error", "error": '
+        '{"type", "message"}})'
+    ) in [c.what for c in verdict.checks]
+    # The OpenAI shape on the Messages API (Envoy's own 413 is written so): the SDK cannot read its type.
+    openai = {"error": {"code": "request_too_large", "message": "too big", "request_id": KEY, "type": "x"}}
+    big = anthropic_error(413, openai, label="oversize body")
+    bad = anthropic_error(
+        400,
+        {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "no",
+                "code": "invalid_json",
+                "request_id": KEY,
+            },
+        },
+        label="invalid JSON",
+    )
+    unknown = anthropic_error(
+        404,
+        {"type": "error", "error": {"type": "NotFoundError", "message": "no such model"}},
+        label="unknown model",
+    )
+    expect = {"codes": {"invalid JSON": "invalid_json", "oversize body": "request_too_large"}}
+    verdict = v.judge_malformed_input(v.Evidence([bad, big, unknown], expect=expect))
+    assert [c.what for c in verdict.failed] == [
+        'oversize body: the error body is in the Messages API\'s shape (Anthropic\'s {"type": "error", '
+        '"error": {"type", "message"}})',
+        "oversize body: error.type is Anthropic's type for HTTP 413 (request_too_large)",
+    ]
+    # vLLM's own 404 passed through is judged on its shape only (its type is vLLM's exception name).
+    assert "unknown model: HTTP 404 is the replica's own error" in verdict.notes[0]
+
+
+def test_against_another_gateway_the_anthropic_type_for_a_status_is_not_applicable() -> None:
+    theirs = {"type": "error", "error": {"type": "overloaded_error", "message": "no healthy upstream"}}
+    x = anthropic_error(502, theirs)
+    verdict = v.judge_all_replicas_fail(
+        v.Evidence([x], expect={"code": "retries_exhausted"}, router_sidecar=False)
+    )
+    assert verdict.passed, failed_checks(verdict)
+    assert "client: error.type is Anthropic's type for HTTP 502 (api_error)" in [
+        c.what for c in verdict.checks if c.ok is None
+    ]
+
+
+def test_the_apis_and_the_run_plan() -> None:
+    from router_testbed.drill.scenarios import plan
+
+    assert apis.parse("all") == ["chat", "completions", "responses", "messages"]
+    assert apis.parse("responses") == ["responses"]
+    with pytest.raises(ValueError, match="expected one of"):
+        apis.parse("embeddings")
+    body = apis.API["messages"].body("tiny", 8)
+    assert (body["max_tokens"], "ignore_eos" in body, body["stream"]) == (8, False, True)
+    assert apis.API["responses"].body("tiny", 8)["max_output_tokens"] == 8
+    hooks = Hooks(functions={"freeze": lambda r: (0, ""), "thaw": lambda r: (0, "")})
+    mode, chosen = select(Options("http://h", tool="pay", fault_mode="sim"), hooks)
+    runs = plan(chosen, mode, ["chat", "messages"])
+    # Each API's matrix, tool-replay once on no API, the freezes of every API last.
+    assert [(s.name, api) for s, api in runs][:2] == [("healthy", "chat"), ("dies-in-prefill", "chat")]
+    assert ("tool-replay", None) in [(s.name, api) for s, api in runs]
+    assert [(s.name, api) for s, api in runs][-4:] == [
+        ("frozen-in-prefill", "chat"),
+        ("frozen-after-first-delta", "chat"),
+        ("frozen-in-prefill", "messages"),
+        ("frozen-after-first-delta", "messages"),
+    ]
+    assert BY_NAME["error-after-first-delta"].fault_in("sim", "responses") == (
+        "x-sim-fault: delay@after:2 for=0.3; error@after:2"
+    )
+    # The keys name their API (chat's as before): one run's requests never share a key.
+    from router_testbed.drill.scenarios import Context
+
+    ctx = Context(None, "sim", "tiny", "r1")  # type: ignore[arg-type]
+    assert ctx.key("healthy") == "drill-r1-healthy-1"
+    ctx.api = "messages"
+    assert ctx.key("healthy") == "drill-r1-messages-healthy-1"
+
+
+def test_the_report_names_the_api_of_each_row() -> None:
+    x = api_stream("responses", responses_events(), COMPLETE)
+    ok = v.judge_healthy(v.Evidence([x]))
+    chat_ok = v.judge_healthy(v.Evidence([streamed(answer(), COMPLETE)]))
+    results = [
+        Result(BY_NAME["healthy"], chat_ok, v.Evidence([streamed(answer(), COMPLETE)]), "none", 0.1),
+        Result(BY_NAME["healthy"], ok, v.Evidence([x]), "none", 0.1, api="responses"),
+    ]
+    table = verdict_table(results).splitlines()
+    assert [line.split()[:3] for line in table[1:3]] == [
+        ["healthy", "chat", "none"],
+        ["healthy", "responses", "none"],
+    ]
+    info = RunInfo("http://127.0.0.1:1", "sim", "tiny", "r1", T0, 0.3, apis=["chat", "responses"])
+    page = html_report(info, results)
+    assert '<a href="#healthy">' in page and '<a href="#responses-healthy">' in page
+    assert "<td>responses</td>" in page and "api chat, responses" in page
+    data = to_json(info, results)
+    assert data["apis"] == ["chat", "responses"] and [s["api"] for s in data["scenarios"]] == [
+        "chat",
+        "responses",
+    ]
+    assert data["scenarios"][1]["exchanges"][0]["events"][0]["event"] == "response.created"

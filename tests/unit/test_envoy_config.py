@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
-from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, render
+from router_sidecar.runtime.envoy_config import (
+    Endpoint,
+    EndpointPicker,
+    EnvoyNotFound,
+    GatewaySpec,
+    find_envoy,
+    render,
+    validate,
+)
 
 
 def rendered(
@@ -107,3 +117,123 @@ def test_envoy_retries_leave_room_for_attempts_that_die_at_their_connection() ->
 
 def test_the_downstream_filter_learns_how_many_attempts_envoy_made() -> None:
     assert "upstream.request_attempt_count" in downstream_filter(rendered())["response_attributes"]
+
+
+# --- behind an endpoint picker ----------------------------------------------------------------------------
+
+
+def behind_picker(
+    picker: EndpointPicker,
+    tools: tuple[tuple[str, Endpoint], ...] = (),
+    access_log: Path = Path("/run/x/access.log"),
+) -> dict[str, Any]:
+    spec = GatewaySpec(
+        listen=Endpoint("127.0.0.1", 8080),
+        replicas=(Endpoint("127.0.0.1", 9001),),
+        sidecar_socket=Path("/run/x/sidecar.sock"),
+        access_log_path=access_log,
+        admin_socket=Path("/run/x/admin.sock"),
+        policy=DEFAULT_POLICY,
+        tools=tools,
+        endpoint_picker=picker,
+    )
+    return yaml.safe_load(render(spec))
+
+
+def hcm_of(config: dict[str, Any]) -> dict[str, Any]:
+    return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+PICKERS = (
+    EndpointPicker(Endpoint("127.0.0.1", 9002)),
+    EndpointPicker(Endpoint("epp.pool.svc", 9002), fail_open=True, tls=True, health_port=9003),
+)
+
+
+def test_the_pickers_answers_become_our_json_errors_before_any_other_mapper() -> None:
+    plain = hcm_of(rendered())["local_reply_config"]["mappers"]
+    mappers = hcm_of(behind_picker(PICKERS[0]))["local_reply_config"]["mappers"]
+    ours, theirs = mappers[: -len(plain)], mappers[-len(plain) :]
+    assert theirs == plain  # the gateway's own mappers unchanged, after the picker's
+    # The gateway's own: Envoy's replies for upstream trouble (they carry response flags) and its 413 (in
+    # Anthropic's shape on the Messages API, then in OpenAI's).
+    assert "response_flag_filter" in plain[0]["filter"]["and_filter"]["filters"][0]
+    for mapper in plain[1:3]:
+        status = mapper["filter"]["and_filter"]["filters"][0]["status_code_filter"]
+        assert status["comparison"]["value"]["default_value"] == 413
+    codes = []
+    for mapper in ours:
+        expression = mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+        # Never the sidecar's own answers, never Envoy's flagged ones: the picker's filter's local replies.
+        assert expression.startswith("response.code_details != 'router_sidecar' && response.flags == 0u && ")
+        body = mapper["body_format_override"]["json_format"]
+        messages = "request.url_path.matches('^/v1/messages/?$')" in expression
+        error = body["error"]
+        assert error["request_id"] == "%REQ(X-REQUEST-ID)%" and error["partial_output"] is False
+        assert error["attempts"] == [] and error["retryable"] is True
+        names = [h["header"]["key"] for h in mapper["headers_to_add"]]
+        if messages:
+            assert body["type"] == "error" and error["details"] == {"error_code": error["code"]}
+            assert names == ["x-request-id", "request-id"]
+        else:
+            assert error["type"] == "gateway_error" and names == ["x-request-id"]
+        codes.append((error["code"], messages, error["type"]))
+    assert codes == [
+        ("endpoint_picker_unavailable", True, "overloaded_error"),
+        ("endpoint_picker_unavailable", False, "gateway_error"),
+        ("no_replica_available", True, "overloaded_error"),
+        ("no_replica_available", False, "gateway_error"),
+        ("replicas_overloaded", True, "rate_limit_error"),
+        ("replicas_overloaded", False, "gateway_error"),
+    ]
+
+
+def test_behind_a_picker_its_failure_is_a_503_and_the_credential_reaches_the_sidecars_access_log() -> None:
+    hcm = hcm_of(behind_picker(PICKERS[0]))
+    picker, ours = hcm["http_filters"][:2]
+    assert picker["name"] == "endpoint_picker" and ours["name"] == "envoy.filters.http.ext_proc"
+    assert picker["typed_config"]["status_on_error"] == {"code": 503}
+    assert "status_on_error" not in ours["typed_config"]  # ours fails with Envoy's 500: told apart
+    grpc_log, file_log = hcm["access_log"]
+    assert grpc_log["typed_config"]["additional_request_headers_to_log"] == ["authorization", "x-api-key"]
+    assert "additional_request_headers_to_log" not in file_log["typed_config"]
+    plain = hcm_of(rendered())
+    assert "additional_request_headers_to_log" not in plain["access_log"][0]["typed_config"]
+
+
+def test_probes_lookups_and_tool_calls_never_go_through_the_picker() -> None:
+    tools = (("search", Endpoint("127.0.0.1", 7000)),)
+    routes = hcm_of(behind_picker(PICKERS[0], tools))["route_config"]["virtual_hosts"][0]["routes"]
+    disabled = {
+        "endpoint_picker": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        }
+    }
+    by_match = {json.dumps(r["match"], sort_keys=True): r for r in routes}
+    for match in (
+        {"path": "/livez"},
+        {"path": "/readyz"},
+        {"prefix": "/v1/requests/"},
+        {"prefix": "/tools/search/"},
+    ):
+        assert by_match[json.dumps(match, sort_keys=True)]["typed_per_filter_config"] == disabled
+    catch_all = routes[-1]
+    assert catch_all["match"] == {"prefix": "/"} and "typed_per_filter_config" not in catch_all
+    assert [r["match"] for r in routes[:3]] == [
+        {"path": "/livez"},
+        {"path": "/readyz"},
+        {"prefix": "/v1/requests/"},
+    ]
+
+
+@pytest.mark.parametrize("picker", PICKERS, ids=["fail_closed", "fail_open_tls"])
+def test_the_config_behind_a_picker_validates(picker: EndpointPicker, tmp_path: Path) -> None:
+    try:
+        envoy = find_envoy()
+    except EnvoyNotFound:
+        pytest.skip("no Envoy binary (make setup)")
+    path = tmp_path / "envoy.yaml"
+    tools = (("search", Endpoint("127.0.0.1", 7000)),)
+    path.write_text(yaml.safe_dump(behind_picker(picker, tools, tmp_path / "access.log")))
+    validate(envoy, path)

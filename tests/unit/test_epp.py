@@ -316,8 +316,17 @@ def test_the_pickers_own_answer_is_an_immediate_response(envoy_ep: ModuleType, l
     assert json.loads(immediate.body) == {
         "error": {"message": "request shed", "type": "endpoint_picker", "code": 429}
     }
+    assert "retry-after" not in {h.header.key for h in immediate.headers.set_headers}
     record = stream.end_record(stream.outcome())
     assert (record["picked"], record["answer"], record["outcome"]) == (None, 429, "answered")
+    # Asked to, it says when to come back.
+    stream = PickerStream(PickerServer(Picker([A]), log))
+    headers = {"x-request-id": "shed", "test-epp-answer": "429", "test-epp-retry-after": "7"}
+    (reply,) = _envoys(
+        envoy_ep, stream.on_message(_ours(_first(envoy_ep, FULL_DUPLEX, FULL_DUPLEX, headers, True)))
+    )
+    set_headers = {h.header.key: h.header.raw_value for h in reply.immediate_response.headers.set_headers}
+    assert set_headers["retry-after"] == b"7"
 
 
 def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ import yaml
 
 from router_sidecar.core.events import Outcome
 from router_sidecar.core.policy import Policy
-from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, render
+from router_sidecar.runtime.envoy_config import Endpoint, EndpointPicker, GatewaySpec, render
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = REPO / "router_sidecar"
@@ -80,18 +80,25 @@ def codes_in_module(path: Path, root: Path = REPO) -> dict[str, list[str]]:
 
 def envoy_reply_codes() -> set[str]:
     """The `error.code` of each JSON body Envoy's own local replies carry, in the config the gateway renders
-    from envoy/gateway.yaml."""
-    rendered = render(
-        GatewaySpec(
-            listen=Endpoint("127.0.0.1", 8080),
-            replicas=(Endpoint("127.0.0.1", 9001),),
-            sidecar_socket=Path("/run/s.sock"),
-            access_log_path=Path("/dev/null"),
-            policy=Policy(),
-            admin_socket=Path("/run/a.sock"),
+    from envoy/gateway.yaml, alone and behind an endpoint picker (whose answers get mappers of their own)."""
+    codes: set[str] = set()
+    for picker in (None, EndpointPicker(Endpoint("127.0.0.1", 9002))):
+        rendered = render(
+            GatewaySpec(
+                listen=Endpoint("127.0.0.1", 8080),
+                replicas=(Endpoint("127.0.0.1", 9001),),
+                sidecar_socket=Path("/run/s.sock"),
+                access_log_path=Path("/dev/null"),
+                policy=Policy(),
+                admin_socket=Path("/run/a.sock"),
+                endpoint_picker=picker,
+            )
         )
-    )
-    config = yaml.safe_load(rendered)
+        codes |= _json_format_codes(yaml.safe_load(rendered))
+    return codes
+
+
+def _json_format_codes(config: object) -> set[str]:
     codes: set[str] = set()
 
     def walk(node: object) -> None:
@@ -155,6 +162,7 @@ def test_the_collection_sees_each_kind_of_emitter() -> None:
         "attempt_fenced": "router_sidecar/extproc/replica_side.py",  # _refusal
         "etcd_unreachable": "router_sidecar/coordination/readiness.py",  # NotReady(CONSTANT, ...)
         "upstream_error": "envoy/gateway.yaml",  # Envoy's local reply
+        "endpoint_picker_unavailable": "envoy/gateway.yaml",  # ... and behind a picker
     }
     for code, where in expected.items():
         assert any(w.startswith(where) for w in emitted.get(code, [])), (code, emitted.get(code))

@@ -39,6 +39,7 @@ from router_sidecar.core.request import (
     WriteAheadJournal,
 )
 from router_sidecar.core.sse import DONE_EVENT
+from tests.unit.test_records import validate
 from tests.unit.test_request import SSE, begin, fa, failed, released, started
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
@@ -819,5 +820,74 @@ def test_late_news_is_written_until_the_entry_is_forgotten(monkeypatch: pytest.M
         j.update(r)
         await settle()
         assert len(store.puts) == writes + 1
+
+    run(go)
+
+
+# --- a request another filter answered (an endpoint picker's own 503 or 429) ------------------------------
+
+
+def rejected(j: Journal, request_id: str = "req-picked", tenant: str = "tenant-a") -> Awaitable[bool]:
+    return j.record_rejected(
+        tenant,
+        request_id,
+        route="messages",
+        outcome="replicas_overloaded",
+        status=429,
+        reason="the endpoint picker answered 429 (epp); no replica was asked",
+        details="epp",
+    )
+
+
+def test_a_request_the_picker_answered_is_one_terminal_record() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = Journal(store, retention_seconds=3600, gateway_id="gw-1", instance="gw-1~run")
+        assert await rejected(j) is True
+        record = stored(store, "tenant-a", "req-picked")
+        assert (record["phase"], record["outcome"], record["attempt"]) == (
+            "rejected",
+            "replicas_overloaded",
+            0,
+        )
+        assert record["first_delta_sent"] is False and record["attempts"] == []
+        assert record["input"]["route"] == "messages"
+        assert (record["gateway"], record["owner"]) == ("gw-1", "gw-1~run")
+        [event] = record["events"]
+        assert event["event"] == "request_rejected" and event["reason"].startswith("the endpoint picker")
+        assert (event["code"], event["status"], event["details"]) == ("replicas_overloaded", 429, "epp")
+        assert isinstance(record["updated_at"], float)
+        validate("journal-record", record)
+        # Under its tenant only, and never in flight: no index entry, and a lease (retention) on the record.
+        assert await j.lookup("tenant-b", "req-picked") is None
+        assert not [k for k in store.data if k.startswith(keys.IN_FLIGHT_PREFIX)]
+        assert store._written[keys.request("tenant-a", "req-picked")][0] != 0  # under the retention lease
+
+    run(go)
+
+
+def test_a_picker_answer_never_overwrites_a_record_of_the_id() -> None:
+    async def go() -> None:
+        store = MemoryStore()
+        j = journal(store)
+        await j.claim(request("req-picked"))
+        before = store.data[keys.request("tenant-a", "req-picked")]
+        assert await rejected(j) is False
+        assert store.data[keys.request("tenant-a", "req-picked")] == before
+
+    run(go)
+
+
+def test_a_picker_answer_waits_out_an_election_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "CLAIM_RETRY_INTERVAL_SECONDS", 0)
+    monkeypatch.setattr(journal_module, "CLAIM_PATIENCE_SECONDS", 0.05)
+
+    async def go() -> None:
+        store = ElectingStore(refused=2)
+        assert await rejected(journal(store)) is True and store.tries == 3
+        store = ElectingStore(lost_answers=1)  # taken, its answer lost: found as its own on the next try
+        assert await rejected(journal(store)) is True and store.tries == 2
+        with pytest.raises(StoreUnavailable):
+            await rejected(journal(ElectingStore(refused=10**9)))
 
     run(go)

@@ -512,9 +512,9 @@ def test_bytes_after_done_are_not_forwarded() -> None:
     started(request)
     decisions = feed(request, [ROLE + C1 + FINISH + DONE_EVENT + C2, C3 + DONE_EVENT, b""])
     assert decisions == [
-        Forward(ROLE + C1 + FINISH + DONE_EVENT, True),
-        None,  # after our end of stream nothing more is answered, not even a second end
-        None,
+        Forward(ROLE + C1 + FINISH + DONE_EVENT, False),  # the end goes with the stream's own (or trailers)
+        Forward(b"", False),  # nothing after [DONE] is forwarded
+        Forward(b"", True),  # one end of stream, at the stream's end
     ]
     assert (request.phase, request.delivered_output_tokens) == (Phase.COMPLETED, 1)
 

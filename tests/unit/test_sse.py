@@ -584,7 +584,7 @@ def test_random_streams_byte_at_a_time(seed: int) -> None:
 
 def test_oversized_event_stops_the_scanner() -> None:
     a = chunk({"content": "a"})
-    s = SseScanner(max_event_bytes=100)
+    s = SseScanner(max_event_bytes=len(a) + 10)
     events = s.feed(a + b"data: " + b"x" * 200)
     assert [e.raw for e in events] == [a]  # completed before the bound was crossed: still returned
     assert s.oversized
@@ -613,14 +613,17 @@ def test_oversized_when_held_bytes_exceed_the_bound(held: bytes, piece: int) -> 
     assert s.oversized
 
 
-def test_an_event_of_exactly_the_bound_is_held() -> None:
+def test_an_event_of_exactly_the_bound_is_held_and_one_byte_more_is_not() -> None:
     raw = chunk({"content": "y" * 50})
-    s = SseScanner(max_event_bytes=len(raw) - 1)
+    s = SseScanner(max_event_bytes=len(raw))
     assert s.feed(raw[:-1]) == []
     assert not s.oversized
     [ev] = s.feed(raw[-1:])
     assert ev.raw == raw
     assert not s.oversized
+    over = SseScanner(max_event_bytes=len(raw) - 1)
+    assert over.feed(raw[:-1]) == [] and not over.oversized  # held: within the bound so far
+    assert over.feed(raw[-1:]) == [] and over.oversized  # complete, one byte over: refused
 
 
 def test_default_bound_is_one_mebibyte() -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import logging
+import types
 from typing import Any
 
 import pytest
@@ -23,11 +24,31 @@ from router_sidecar.core.attempt import (
     ResponseHeaders,
     WriteAheadDone,
 )
-from router_sidecar.core.request import DownstreamLoss, DownstreamLost, LogicalRequest, ResponseChunk
+from router_sidecar.core.openai_api import RouteKind, parse_request
+from router_sidecar.core.request import (
+    Admitted,
+    DownstreamLoss,
+    DownstreamLost,
+    LogicalRequest,
+    ResponseChunk,
+)
 from router_sidecar.telemetry import logs
 from router_sidecar.telemetry.observer import MAX_MODEL_LABELS, TTFT_BUCKETS, Telemetry
 from router_sidecar.telemetry.setup import MetricsListen, TelemetryConfigError, build_telemetry
-from tests.unit.test_request import C1, C2, DONE_EVENT, FINISH, ROLE, SSE, begin, fa, new_request, started
+from tests.unit.test_request import (
+    C1,
+    C2,
+    DEFAULT_POLICY,
+    DONE_EVENT,
+    FINISH,
+    ROLE,
+    SSE,
+    begin,
+    fa,
+    new_request,
+    settle_claim,
+    started,
+)
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -106,6 +127,8 @@ def test_a_retried_then_completed_request() -> None:
     assert (root.kind, one.kind) == (SpanKind.SERVER, SpanKind.CLIENT)
     assert dict(root.attributes or {}) == {
         "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "unknown",  # static replicas: nothing registered their engine
+        "router_sidecar.api": "chat.completions",
         "gen_ai.request.model": "tiny",
         "router_sidecar.request_id": "req-0001",
         "router_sidecar.stream": True,
@@ -132,12 +155,17 @@ def test_a_retried_then_completed_request() -> None:
     # Event times are the journal's: the spans are drawn on the same clock.
     assert root.start_time == int(1000.010 * 1e9) and root.end_time == root.events[-1].timestamp
 
-    attrs = (("gen_ai.operation.name", "chat"), ("gen_ai.request.model", "tiny"))
+    attrs = (
+        ("gen_ai.operation.name", "chat"),
+        ("gen_ai.provider.name", "unknown"),
+        ("gen_ai.request.model", "tiny"),
+        ("router_sidecar.api", "chat.completions"),
+    )
     assert points(h, "gen_ai.server.time_to_first_token")[attrs].count == 1
     assert list(points(h, "gen_ai.server.time_to_first_token")[attrs].explicit_bounds) == list(TTFT_BUCKETS)
     assert points(h, "gen_ai.server.request.duration")[attrs].count == 1
     assert points(h, "gen_ai.server.time_per_output_token")[attrs].count == 1
-    usage = points(h, "gen_ai.client.token.usage")[(*attrs, ("gen_ai.token.type", "output"))]
+    usage = points(h, "gen_ai.client.token.usage")[tuple(sorted((*attrs, ("gen_ai.token.type", "output"))))]
     assert (usage.count, usage.sum) == (1, 2)
     assert points(h, "router_sidecar.retries")[(("reason", "upstream_status"),)].value == 1
     attempts = points(h, "router_sidecar.attempts")
@@ -190,11 +218,14 @@ def test_an_interrupted_request_is_an_error_with_a_terminal_frame() -> None:
     assert dict(root.attributes or {})["error.type"] == "upstream_decode_interrupted"
     assert [e.name for e in root.events] == ["terminal_frame"]
     frames = points(h, "router_sidecar.terminal_frames")
-    assert frames[(("code", "upstream_decode_interrupted"),)].value == 1
+    code = (("code", "upstream_decode_interrupted"), ("router_sidecar.api", "chat.completions"))
+    assert frames[code].value == 1
     attrs = (
         ("error.type", "upstream_decode_interrupted"),
         ("gen_ai.operation.name", "chat"),
+        ("gen_ai.provider.name", "unknown"),
         ("gen_ai.request.model", "tiny"),
+        ("router_sidecar.api", "chat.completions"),
     )
     assert points(h, "gen_ai.server.request.duration")[attrs].count == 1
 
@@ -347,3 +378,206 @@ def test_a_broken_view_never_fails_the_request(caplog: pytest.LogCaptureFixture)
         "telemetry: events of request req-0001 not recorded",
         "telemetry: the end of request req-0001 not recorded",
     ]
+
+
+# --- the API and the engine behind it --------------------------------------------------------------------
+
+
+def api_request(kind: RouteKind) -> LogicalRequest:
+    """An admitted, claimed request of one of the four APIs."""
+    body: dict[str, Any] = {"model": "tiny", "stream": True}
+    if kind is RouteKind.RESPONSES:
+        body["input"] = "hi"
+    elif kind is RouteKind.COMPLETIONS:
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        body["max_tokens"] = 8
+    parsed = parse_request(kind, json.dumps(body).encode(), max_body_bytes=1 << 20, known_models=None)
+    request = LogicalRequest(request_id="req-api", tenant="t1", parsed=parsed, policy=DEFAULT_POLICY)
+    request.handle(Admitted())
+    settle_claim(request)
+    return request
+
+
+def named(kind: str, **fields: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+
+# Each API's stream: what precedes the first content, the first content, the rest up to the clean end.
+STREAMS = {
+    RouteKind.CHAT: (ROLE, C1, C2 + FINISH + DONE_EVENT),
+    RouteKind.COMPLETIONS: (
+        b"",
+        b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"Hel","finish_reason":null}]}\n\n',
+        b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"lo","finish_reason":"stop"}]}\n\n' + DONE_EVENT,
+    ),
+    RouteKind.RESPONSES: (
+        named("response.created", sequence_number=0, response={"id": "resp_1", "status": "in_progress"}),
+        named("response.output_text.delta", sequence_number=1, delta="Hel"),
+        named("response.output_text.delta", sequence_number=2, delta="lo")
+        + named(
+            "response.completed",
+            sequence_number=3,
+            response={"id": "resp_1", "status": "completed", "usage": {"output_tokens": 2}},
+        ),
+    ),
+    RouteKind.MESSAGES: (
+        named("message_start", message={"id": "msg_1", "type": "message", "role": "assistant"}),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": "Hel"}),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": "lo"})
+        + named("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 2})
+        + named("message_stop"),
+    ),
+}
+
+
+def serve_api(h: Harness, request: LogicalRequest, attempt_id: str, replica: str) -> None:
+    preamble, first, rest = STREAMS[request.parsed.kind]
+    attempt = begin(request, attempt_id, replica)
+    h.drain(request)
+    fa(request, attempt, ResponseHeaders(200, SSE))
+    fa(request, attempt, ResponseBody(preamble + first, False))
+    h.drain(request)
+    fa(request, attempt, WriteAheadDone())
+    started(request)
+    request.handle(ResponseChunk(preamble + first + rest, True))
+    h.drain(request)
+
+
+class Registry:
+    """What the gateway's LivenessMonitor holds: registrations by address, from the replica agents."""
+
+    def __init__(self, engines: dict[str, str | None]) -> None:
+        self.replicas = {
+            address: types.SimpleNamespace(engine_name=engine, digest="sha256:" + "ab" * 32)
+            for address, engine in engines.items()
+        }
+
+
+@pytest.mark.parametrize(
+    ("kind", "operation"),
+    [
+        (RouteKind.CHAT, "chat"),
+        (RouteKind.COMPLETIONS, "text_completion"),
+        (RouteKind.RESPONSES, "chat"),
+        (RouteKind.MESSAGES, "chat"),
+    ],
+)
+def test_every_signal_names_the_api_and_the_engine_behind_it(kind: RouteKind, operation: str) -> None:
+    h = Harness()
+    h.telemetry.read_engines(Registry({"10.0.0.1:8000": "vllm"}))
+    request = api_request(kind)
+    h.drain(request)
+    serve_api(h, request, "att-1", "10.0.0.1:8000")
+    h.finish(request)
+    spans = h.finished_spans()
+    assert set(spans) == {f"{operation} tiny", "attempt 1"}
+    root, attempt = spans[f"{operation} tiny"], spans["attempt 1"]
+    for span in (root, attempt):
+        assert dict(span.attributes or {})["gen_ai.provider.name"] == "vllm"
+    assert dict(root.attributes or {})["gen_ai.operation.name"] == operation
+    assert dict(root.attributes or {})["router_sidecar.api"] == kind.value
+    assert dict(root.attributes or {})["router_sidecar.phase"] == "completed"
+    labels = (
+        ("gen_ai.operation.name", operation),
+        ("gen_ai.provider.name", "vllm"),
+        ("gen_ai.request.model", "tiny"),
+        ("router_sidecar.api", kind.value),
+    )
+    for metric in (
+        "gen_ai.server.time_to_first_token",
+        "gen_ai.server.request.duration",
+        "gen_ai.server.time_per_output_token",
+    ):
+        assert points(h, metric)[labels].count == 1, metric
+    usage = points(h, "gen_ai.client.token.usage")[tuple(sorted((*labels, ("gen_ai.token.type", "output"))))]
+    assert usage.sum == 2
+    assert [dict(k)["router_sidecar.api"] for k in points(h, "router_sidecar.requests")] == [kind.value]
+
+
+def test_a_pinned_request_names_its_engine_at_its_start() -> None:
+    """With discovery a request is pinned to one compatibility group: its engine is known before any
+    attempt (the conventions ask for gen_ai.provider.name at span creation)."""
+    h = Harness()
+    h.telemetry.read_engines(Registry({"10.0.0.1:8000": "sglang", "10.0.0.2:8000": "sglang"}))
+    request = api_request(RouteKind.MESSAGES)
+    request.pin("sha256:" + "ab" * 32, None)
+    h.drain(request)
+    [(span, traced)] = [(t.span, t) for t in h.telemetry._open.values()]
+    assert span is not None and dict(span.attributes or {})["gen_ai.provider.name"] == "sglang"  # type: ignore[attr-defined]
+    assert traced.attributes["gen_ai.provider.name"] == "sglang"
+
+
+def test_an_engine_nothing_registered_is_unknown_and_odd_names_are_bounded() -> None:
+    h = Harness()
+    h.telemetry.read_engines(Registry({"10.0.0.1:8000": "vLLM", "10.0.0.2:8000": "Not An Engine!"}))
+    assert h.telemetry.provider("10.0.0.1:8000") == "vllm"  # lower-cased, as fingerprints are
+    assert h.telemetry.provider("10.0.0.2:8000") == "other"
+    assert h.telemetry.provider("10.0.0.9:8000") == "unknown"  # a static replica: nothing registered it
+    for index in range(10):
+        h.telemetry.read_engines(Registry({"r:1": f"engine{index}"}))
+        h.telemetry.provider("r:1")
+    assert h.telemetry.provider("r:1") == "other"  # past MAX_PROVIDER_LABELS distinct names
+
+    def broken(address: str) -> str | None:
+        raise RuntimeError("registry bug")
+
+    assert Telemetry(engines=broken).provider("r:1") == "unknown"  # a look-up never fails the view
+
+
+def test_a_retry_on_another_engine_names_the_one_that_served() -> None:
+    h = Harness()
+    h.telemetry.read_engines(Registry({"10.0.0.1:8000": "vllm", "10.0.0.2:8000": "sglang"}))
+    request = api_request(RouteKind.RESPONSES)
+    h.drain(request)
+    first = begin(request, "att-1", "10.0.0.1:8000")
+    h.drain(request)
+    fa(request, first, ResponseHeaders(503, SSE))
+    fa(request, first, FenceProven("connection_closed"))
+    h.drain(request)
+    serve_api(h, request, "att-2", "10.0.0.2:8000")
+    h.finish(request)
+    spans = h.finished_spans()
+    assert dict(spans["attempt 1"].attributes or {})["gen_ai.provider.name"] == "vllm"
+    assert dict(spans["attempt 2"].attributes or {})["gen_ai.provider.name"] == "sglang"
+    assert dict(spans["chat tiny"].attributes or {})["gen_ai.provider.name"] == "sglang"
+    [ttft] = points(h, "gen_ai.server.time_to_first_token")
+    assert dict(ttft)["gen_ai.provider.name"] == "sglang"  # the engine that delivered the first content
+
+
+def test_json_log_lines_name_the_api_and_the_engine() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.JsonFormatter())
+    logger = logging.getLogger("test.telemetry.api")
+    logger.addHandler(handler)
+    logger.propagate = False
+    telemetry = Telemetry()
+    telemetry.read_engines(Registry({"10.0.0.1:8000": "vllm"}))
+    request = api_request(RouteKind.MESSAGES)
+    telemetry.admitted(request, {})
+    try:
+
+        def in_a_stream(attempt_id: str | None) -> None:
+            logs.bind(request_id=request.request_id, attempt_id=attempt_id)
+            logger.warning("about the request")
+
+        import contextvars
+
+        contextvars.copy_context().run(in_a_stream, None)  # no attempt yet
+        begin(request, "att-1", "10.0.0.1:8000")
+        contextvars.copy_context().run(in_a_stream, "att-1")
+        telemetry.finished(request)  # its end: the description goes
+        contextvars.copy_context().run(in_a_stream, "att-1")
+    finally:
+        logger.removeHandler(handler)
+    before, during, after = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert (before["api"], before["gen_ai.operation.name"]) == ("messages", "chat")
+    assert "gen_ai.provider.name" not in before
+    assert (during["api"], during["gen_ai.provider.name"], during["attempt_id"]) == (
+        "messages",
+        "vllm",
+        "att-1",
+    )
+    assert "api" not in after and after["request_id"] == request.request_id

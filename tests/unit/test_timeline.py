@@ -437,6 +437,19 @@ def with_outcome(phase: str, outcome: str | None, *, first_delta: bool, events: 
             [],
             "The request was rejected (bad_request): no attempt was made.",
         ),
+        (
+            "rejected",
+            "replicas_overloaded",
+            False,
+            [
+                {
+                    "event": "request_rejected",
+                    "reason": "the endpoint picker answered 429 (router_testbed_epp)",
+                }
+            ],
+            "The request was rejected (replicas_overloaded): the endpoint picker answered 429 "
+            "(router_testbed_epp); no attempt was made.",
+        ),
         ("weird", "stranger", False, [], "The request ended weird with outcome stranger."),
     ],
 )

@@ -604,3 +604,134 @@ def test_hand_encoded_streamed_body_is_the_protobuf_encoding(
     envoy = ep.ProcessingResponse.FromString(m.streamed_body(data, end_of_stream))
     streamed = envoy.response_body.response.body_mutation.streamed_response
     assert (streamed.body, streamed.end_of_stream) == (data, end_of_stream)
+
+
+# --- behind an endpoint picker: the requests it answered itself ---------------------------------------------
+
+
+def _envoy_entry(
+    status: int,
+    details: str,
+    *,
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    attempts: int = 0,
+    flag: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Message:
+    from envoy.config.core.v3 import base_pb2
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = "0f4c1b6e-7d0e-4a59-9c38-2b1f0f1d2a11"
+    entry.request.request_method = base_pb2.RequestMethod.Value(method)
+    entry.request.path = path
+    entry.request.request_headers.update(headers if headers is not None else {"authorization": "Bearer t"})
+    entry.response.response_code.value = status
+    entry.response.response_code_details = details
+    entry.common_properties.upstream_request_attempt_count = attempts
+    entry.common_properties.response_flags.SetInParent()  # Envoy always sends the message, maybe empty
+    if flag is not None:
+        setattr(entry.common_properties.response_flags, flag, True)
+    return entry
+
+
+def _ours(entry: Message) -> access_log_pb2.HTTPAccessLogEntry:
+    return access_log_pb2.HTTPAccessLogEntry.FromString(entry.SerializeToString())
+
+
+def test_the_pickers_own_answers_are_told_from_every_other_entry(envoy: dict[str, ModuleType]) -> None:
+    from router_sidecar.core.events import Outcome
+    from router_sidecar.extproc.access_log import picker_answer
+
+    unavailable = "ext_proc_error_gRPC_error_14{upstream_connect_error_or_disconnect}"
+    found = picker_answer(_ours(_envoy_entry(503, "router_testbed_epp")))
+    assert found is not None
+    assert (found.route, found.status, found.details, found.outcome) == (
+        "chat.completions",
+        503,
+        "router_testbed_epp",
+        Outcome.NO_REPLICA_AVAILABLE,
+    )
+    assert found.credentials == {"authorization": "Bearer t"} and found.request_id.startswith("0f4c1b6e")
+    assert found.reason == "the endpoint picker answered 503 (router_testbed_epp); no replica was asked"
+    shed = picker_answer(_ours(_envoy_entry(429, "shed", path="/v1/messages/", headers={"x-api-key": "k"})))
+    assert shed is not None and (shed.route, shed.outcome) == ("messages", Outcome.REPLICAS_OVERLOADED)
+    assert shed.credentials == {"x-api-key": "k"}
+    down = picker_answer(_ours(_envoy_entry(503, unavailable, path="/v1/responses")))
+    assert down is not None and down.outcome is Outcome.ENDPOINT_PICKER_UNAVAILABLE
+    assert down.reason.startswith("the endpoint picker could not be asked (ext_proc_error_gRPC_error_14")
+    not_the_pickers = [
+        _envoy_entry(503, "router_sidecar"),  # the sidecar's own answer (it journals those itself)
+        _envoy_entry(503, "no_healthy_upstream", flag="no_healthy_upstream"),  # Envoy's, with its flag
+        _envoy_entry(503, "overload", flag="overload_manager"),  # a flag our messages do not declare
+        _envoy_entry(503, "via_upstream", attempts=1),  # a replica's answer
+        _envoy_entry(500, unavailable),  # our own filter's stream failed (its status: Envoy's default)
+        _envoy_entry(504, "ext_proc_error_per-message_timeout_exceeded"),
+        _envoy_entry(429, unavailable),
+        _envoy_entry(200, "via_upstream", attempts=1),
+        _envoy_entry(503, "router_testbed_epp", path="/v1/models"),  # not an inference route
+        _envoy_entry(503, "router_testbed_epp", method="GET"),  # 405 territory, not an inference request
+        _envoy_entry(503, "router_testbed_epp", path="/v1/requests/x"),
+    ]
+    for entry in not_the_pickers:
+        assert picker_answer(_ours(entry)) is None, entry
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def record_rejected(self, tenant: str, request_id: str, **fields: Any) -> bool:
+        self.recorded.append((tenant, request_id, fields))
+        return True
+
+
+def test_the_access_log_journals_what_the_picker_answered(envoy: dict[str, ModuleType]) -> None:
+    """Through Envoy's own stub: an entry of the picker's 503 is journaled under its caller's tenant, an entry
+    of a request the registry knows is not (its own stream journals it), nor one of another kind."""
+    als, als_grpc = envoy["als_pb2"], envoy["als_pb2_grpc"]
+    from router_sidecar.extproc.downstream import tenant_of
+    from router_sidecar.extproc.registry import Registry
+
+    journal = _Rejections()
+    registry = Registry()
+    services_ = SimpleNamespace(journal=journal, tenant_secret=b"secret")
+    known = _envoy_entry(503, "router_testbed_epp")
+    known.request.request_id = "req_known"
+    registry._live["req_known"] = SimpleNamespace(access_logged=asyncio.Event())  # type: ignore[assignment]
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        services.add_access_log_service(server, AccessLogServicer(registry, services_))  # type: ignore[arg-type]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                log = als.StreamAccessLogsMessage()
+                log.http_logs.log_entry.extend(
+                    [
+                        _envoy_entry(503, "router_testbed_epp"),
+                        known,
+                        _envoy_entry(200, "via_upstream", attempts=1),
+                    ]
+                )
+                await als_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([log]))
+                for _ in range(100):  # the write runs in a task of its own
+                    if journal.recorded:
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    [(tenant, request_id, fields)] = journal.recorded
+    assert tenant == tenant_of({"authorization": "Bearer t"}, b"secret")
+    assert request_id == "0f4c1b6e-7d0e-4a59-9c38-2b1f0f1d2a11"
+    assert fields == {
+        "route": "chat.completions",
+        "outcome": "no_replica_available",
+        "status": 503,
+        "reason": "the endpoint picker answered 503 (router_testbed_epp); no replica was asked",
+        "details": "router_testbed_epp",
+    }

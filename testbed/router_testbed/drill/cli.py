@@ -5,6 +5,9 @@ failover). The pre-flight finds out what is there: whether the replicas behind i
 simulator (its fault header works) and whether the gateway keeps router-sidecar's journal. What cannot be
 judged against it is reported as not applicable (N/A), never as a violation.
 
+`--api` picks the streaming API the matrix runs on (chat completions by default; `all`: each of the four in
+turn), each judged by its own rules (`apis.py`).
+
 Exit status: 0 when every scenario that applies passed, 1 when any promise was violated, 2 on a usage error
 or when the gateway cannot be used (unreachable, not the replicas an explicit --fault-mode needs, or no
 scenario applies).
@@ -13,6 +16,7 @@ scenario applies).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
 
+from router_testbed.drill import apis
 from router_testbed.drill.hooks import DEFAULT_HOOK_TIMEOUT, HookFunction, Hooks
 from router_testbed.drill.scenarios import (
     BY_NAME,
@@ -33,6 +38,7 @@ from router_testbed.drill.scenarios import (
     Result,
     Scenario,
     not_applicable,
+    plan,
     run_order,
 )
 
@@ -66,6 +72,7 @@ class Options:
     oversize_bytes: int = DEFAULT_OVERSIZE
     progress: bool = True
     color: bool | None = None  # None: on a terminal without NO_COLOR
+    apis: list[str] = field(default_factory=lambda: [apis.DEFAULT])  # the APIs to run the matrix on
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="the API key, sent as Authorization: Bearer KEY (default: drill; router-sidecar scopes journal "
         "look-ups to it)",
+    )
+    p.add_argument(
+        "--api",
+        choices=(*apis.NAMES, apis.ALL),
+        default=apis.DEFAULT,
+        help="the streaming API to run the matrix on: chat (POST /v1/chat/completions, the default), "
+        "completions, responses (OpenAI's Responses API), messages (Anthropic's Messages API), or all (the "
+        "matrix once per API); each judged by its API's own rules",
     )
     p.add_argument(
         "--scenario",
@@ -170,6 +185,7 @@ def options_from_args(argv: Sequence[str] | None) -> Options:
         long_tokens=a.long_tokens,
         oversize_bytes=a.oversize_bytes,
         progress=not a.no_progress,
+        apis=apis.parse(a.api),
     )
 
 
@@ -183,6 +199,9 @@ def select(options: Options, hooks: Hooks) -> tuple[str, list[Scenario]]:
             raise UsageError(f"{name} must be a number of seconds > 0")
     if options.long_tokens < 8:
         raise UsageError("--long-tokens must be at least 8")
+    unknown_apis = [a for a in options.apis if a not in apis.API]
+    if unknown_apis or not options.apis:
+        raise UsageError(f"--api: expected one of {', '.join(apis.NAMES)} or {apis.ALL}")
     mode = options.fault_mode or ("hooks" if hooks.available else "sim")
     if "freeze" in hooks.available and "thaw" not in hooks.available:
         raise UsageError("--freeze-cmd needs --thaw-cmd: a frozen replica must be thawed after its scenario")
@@ -324,6 +343,16 @@ def run(
             err.write(f"router-testbed drill: no chosen scenario applies to {options.gateway} ({reasons})\n")
             return EXIT_USAGE
         client.journal = target.router_sidecar
+        runs = plan(chosen, mode, options.apis)
+        # What does not apply to this gateway does not, on any API (tool-replay on none).
+        skipped = [
+            dataclasses.replace(
+                r, api=api if r.scenario.per_api else None, fault=r.scenario.fault_in(mode, api)
+            )
+            for api in options.apis
+            for r in skipped
+            if r.scenario.per_api or api == options.apis[0]
+        ]
         ctx = Context(
             client,
             mode,
@@ -336,12 +365,14 @@ def run(
             timeout=options.timeout,
             router_sidecar=target.router_sidecar,
         )
-        progress = Progress(len(chosen), err, enabled=options.progress)
-        for scenario in chosen:
-            progress.start(scenario.name)
+        progress = Progress(len(runs), err, enabled=options.progress)
+        for scenario, api in runs:
+            ctx.api = api or options.apis[0]
+            label = scenario.name if api is None or len(options.apis) == 1 else f"{api} {scenario.name}"
+            progress.start(label)
             result = run_scenario(ctx, scenario)
             results.append(result)
-            progress.finish(scenario.name, result.passed, result.seconds)
+            progress.finish(label, result.passed, result.seconds)
             if between is not None:
                 between()
         progress.close()
@@ -351,13 +382,18 @@ def run(
     seconds = time.monotonic() - started
     color = options.color if options.color is not None else out.isatty() and not os.environ.get("NO_COLOR")
     style = report.Style(color)
-    info = report.RunInfo(options.gateway, mode, model, run_id, started_at, seconds, target.router_sidecar)
+    info = report.RunInfo(
+        options.gateway, mode, model, run_id, started_at, seconds, target.router_sidecar, list(options.apis)
+    )
     kind = (
         "router-sidecar: its journal is judged too"
         if target.router_sidecar
         else "not router-sidecar: no journal at /v1/requests/{id}, its checks are N/A"
     )
-    out.write(f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model}; {kind})\n")
+    out.write(
+        f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model}, "
+        f"api {', '.join(options.apis)}; {kind})\n"
+    )
     out.write(report.verdict_table(results, style) + "\n\n")
     line = report.summary_line(results, seconds)
     passed = report.all_passed(results)

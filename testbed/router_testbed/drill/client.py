@@ -92,11 +92,11 @@ class Client:
                     x.arrivals.append((now, len(x.body)))
                     if on_event is not None:
                         pending += chunk.replace(b"\r\n", b"\n")
-                        view = read_events(pending)
+                        view = read_events(pending, api=x.api)
                         if view.events:
                             pending = view.torn_tail
                             for event in view.events:
-                                event = SseEvent(now, event.raw, event.data, event.kind)
+                                event = SseEvent(now, event.raw, event.data, event.kind, event.name)
                                 content_events += event.kind == "content"
                                 if on_event(x, event, content_events) == "leave":
                                     x.disconnected_at = time.time()

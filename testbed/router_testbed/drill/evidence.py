@@ -8,8 +8,10 @@ hooks run against a replica meanwhile. The verdicts (`verdicts.py`) are function
 The SSE reading here is an independent oracle on purpose: it does not use the product's scanner
 (`router_sidecar.core.sse`), because the drill judges that scanner's accounting (first delta, delivered
 count) and must not share its mistakes. It reads bytes the way an OpenAI client does: an event ends at a
-blank line, its ``data:`` lines joined, a comment or keep-alive carries no data. What a content event is,
-and its text, it reads with `router_testbed.oracle`, as the test suite's invariants do.
+blank line, its ``data:`` lines joined, its ``event:`` line naming it, a comment or keep-alive carries no
+data. What a content event, a clean end and an error event are, and what text an event carries, depends on
+the API (`apis.py`: chat and completions as `router_testbed.oracle` reads them, as the test suite's
+invariants do; the Responses and Messages APIs by their own named events).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router_testbed.oracle import DONE, TERMINAL_PHASES, is_content, piece_text
+from router_testbed.drill import apis
+from router_testbed.oracle import DONE, TERMINAL_PHASES
 
 # Trace events that close a request's story: a look-up may show a terminal phase a moment before the trace
 # holds its closing event, so the drill waits for both.
@@ -87,6 +90,11 @@ class Exchange:
     # The one generation a simulated replica produces for this request, one piece per content event (None:
     # unknown): the delivered text must be a prefix of it.
     expected_pieces: tuple[str, ...] | None = None
+    api: str = apis.DEFAULT  # the API the request speaks (how its stream and errors are read)
+
+    @property
+    def spec(self) -> apis.Api:
+        return apis.of(self.api)
 
     @property
     def response_request_id(self) -> str:
@@ -123,14 +131,18 @@ class Exchange:
                 return t
         return None
 
-    def json_error(self) -> dict[str, Any] | None:
-        """The `error` object of a JSON error body, or None."""
+    def json_body(self) -> Any:
+        """The body, parsed, when it is a JSON answer (else None)."""
         if "application/json" not in self.content_type:
             return None
         try:
-            body = json.loads(self.body)
+            return json.loads(self.body)
         except ValueError:
             return None
+
+    def json_error(self) -> dict[str, Any] | None:
+        """The `error` object of a JSON error body (OpenAI's and Anthropic's shapes have one), or None."""
+        body = self.json_body()
         error = body.get("error") if isinstance(body, dict) else None
         return error if isinstance(error, dict) else None
 
@@ -140,6 +152,7 @@ class Exchange:
             "label": self.label,
             "method": self.method,
             "path": self.path,
+            "api": self.api,
             "request_id": self.request_id,
             "fault": self.fault,
             "stream": self.stream,
@@ -153,7 +166,12 @@ class Exchange:
             "body": self.body[:body_limit].decode("utf-8", "replace"),
             "body_bytes": len(self.body),
             "events": [
-                {"t": e.t, "kind": e.kind, "data": e.data if e.kind != "unparseable" else None}
+                {
+                    "t": e.t,
+                    "kind": e.kind,
+                    **({"event": e.name} if e.name else {}),
+                    "data": e.data if e.kind != "unparseable" else None,
+                }
                 for e in (view.events if view else [])
             ],
             "transport_error": self.transport_error,
@@ -174,18 +192,29 @@ class SseEvent:
     raw: bytes
     data: Any  # parsed JSON, "[DONE]", or None (a comment / keep-alive, or unparseable)
     kind: EventKind
+    name: str | None = None  # its `event:` line (the Responses and Messages APIs name every event)
 
 
 @dataclass
 class StreamView:
-    """An SSE body as a client reads it."""
+    """An SSE body as a client of its API reads it."""
 
     events: list[SseEvent]
     torn_tail: bytes  # bytes after the last complete event (a stream cut inside an event)
+    api: str = apis.DEFAULT
+
+    @property
+    def spec(self) -> apis.Api:
+        return apis.of(self.api)
 
     @property
     def payloads(self) -> list[Any]:
         return [e.data for e in self.events if e.kind not in ("comment", "unparseable")]
+
+    @property
+    def objects(self) -> list[dict[str, Any]]:
+        """The JSON objects of the events, in order."""
+        return [p for p in self.payloads if isinstance(p, dict)]
 
     @property
     def content(self) -> list[dict[str, Any]]:
@@ -193,8 +222,13 @@ class StreamView:
 
     @property
     def frames(self) -> list[dict[str, Any]]:
-        """The inside of every `{"error": ...}` event."""
-        return [e.data["error"] for e in self.events if e.kind == "frame"]
+        """The error object of every error event: chat's `{"error": ...}`, a Responses `response.failed`'s
+        `response.error` (or an `error` event), an Anthropic `event: error`'s `error`."""
+        return [self.spec.frame_error(e.data) for e in self.events if e.kind == "frame"]
+
+    @property
+    def frame_events(self) -> list[SseEvent]:
+        return [e for e in self.events if e.kind == "frame"]
 
     @property
     def unparseable(self) -> list[bytes]:
@@ -202,16 +236,18 @@ class StreamView:
 
     @property
     def done_count(self) -> int:
+        """Clean ends: `[DONE]`; `response.completed`/`response.incomplete`; `message_stop`."""
         return sum(1 for e in self.events if e.kind == "done")
 
     @property
     def usage_tokens(self) -> int | None:
-        """usage.completion_tokens of the last event carrying it."""
+        """The output-token count of the last event carrying one (chat's usage.completion_tokens, the
+        Responses terminal event's and Messages' message_delta's output_tokens)."""
         found = None
-        for p in self.payloads:
-            usage = p.get("usage") if isinstance(p, dict) else None
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                found = usage["completion_tokens"]
+        for p in self.objects:
+            count = self.spec.output_tokens(p)
+            if count is not None:
+                found = count
         return found
 
     @property
@@ -222,35 +258,34 @@ class StreamView:
 
     @property
     def content_ids(self) -> set[str]:
-        """Completion ids of the content events: one id = one attempt's generation."""
+        """Completion ids of the content events (chat): one id = one attempt's generation. The named-event
+        APIs carry the id in their preamble only: its ids (`ids`)."""
+        if self.spec.named_events:
+            return self.ids
         return {str(p.get("id")) for p in self.content}
 
     @property
     def ids(self) -> set[str]:
-        return {p["id"] for p in self.payloads if isinstance(p, dict) and isinstance(p.get("id"), str)}
+        return {i for p in self.objects for i in self.spec.ids(p)}
 
     @property
     def text(self) -> str:
-        return "".join(piece_text(p) for p in self.content)
+        return "".join(self.spec.text(p) for p in self.content)
 
     @property
     def finish_reasons(self) -> list[str]:
-        return [
-            str(c["finish_reason"])
-            for p in self.payloads
-            if isinstance(p, dict) and isinstance(p.get("choices"), list)
-            for c in p["choices"]
-            if isinstance(c, dict) and c.get("finish_reason")
-        ]
+        return [reason for p in self.objects for reason in self.spec.finish(p)]
 
     @property
     def events_after_done(self) -> list[SseEvent]:
+        """Events after the end: chat's `[DONE]`; a named-event API's clean end or failure event."""
+        ends = ("done",) if not self.spec.named_events else ("done", "frame")
         seen = False
         after = []
         for e in self.events:
             if seen and e.kind != "comment":
                 after.append(e)
-            seen = seen or e.kind == "done"
+            seen = seen or e.kind in ends
         return after
 
     @property
@@ -259,27 +294,58 @@ class StreamView:
 
     @property
     def ends_with_frame_then_done(self) -> bool:
+        """The stream's honest interrupted end: chat's one frame then `[DONE]`; a named-event API's failure
+        event, last (no clean end after it: it replaces it)."""
+        if self.spec.named_events:
+            kinds = [e.kind for e in self.events if e.kind not in ("comment", "unparseable")]
+            return bool(kinds) and kinds[-1] == "frame" and "done" not in kinds
         tail = self.last_two
         return len(tail) == 2 and isinstance(tail[0], dict) and "error" in tail[0] and tail[1] == DONE
+
+    # --- the named-event APIs' own rules ---------------------------------------------------------------
+
+    def named(self, name: str) -> list[SseEvent]:
+        return [e for e in self.events if apis.event_type(e.name, e.data) == name]
+
+    @property
+    def preamble_count(self) -> int | None:
+        """How many times the answer was opened (`response.created`, `message_start`); None for chat."""
+        preamble = self.spec.preamble
+        return None if preamble is None else len(self.named(preamble))
+
+    @property
+    def sequence_numbers(self) -> list[Any]:
+        """Every event's `sequence_number`, in order (Responses: 0, 1, 2, … on one stream)."""
+        return [p.get("sequence_number") for p in self.objects]
+
+    @property
+    def stray_done(self) -> int:
+        """`data: [DONE]` events on an API that has none (Responses, Messages)."""
+        return sum(1 for e in self.events if e.data == DONE and e.kind != "done")
+
+    @property
+    def mislabelled(self) -> list[str]:
+        """Named events whose `event:` line is not their data's `type` (`name≠type`)."""
+        return [
+            f"{e.name}≠{e.data.get('type')}"
+            for e in self.events
+            if e.name and isinstance(e.data, dict) and e.data.get("type") not in (None, e.name)
+        ]
 
     def first_content_at(self) -> float | None:
         return next((e.t for e in self.events if e.kind == "content"), None)
 
 
-def _classify(data: Any) -> EventKind:
+def _classify(data: Any, api: apis.Api = apis.API[apis.DEFAULT], name: str | None = None) -> EventKind:
     if data == DONE:
         return "done"
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        return "frame"
-    if is_content(data):
-        return "content"
-    if isinstance(data, dict) and isinstance(data.get("choices"), list):
-        return "role"  # role-only, empty delta, finish-only or usage-only: no visible content
-    return "other"
+    return api.classify(name, data)  # type: ignore[return-value]
 
 
-def read_events(body: bytes, time_of: Any = None) -> StreamView:
-    """Split `body` into events (CRLF or LF line ends); `time_of(end_offset)` stamps each one."""
+def read_events(body: bytes, time_of: Any = None, api: str = apis.DEFAULT) -> StreamView:
+    """Split `body` into events (CRLF or LF line ends) as a client of `api` reads them; `time_of(end_offset)`
+    stamps each one."""
+    spec = apis.of(api)
     events: list[SseEvent] = []
     pos = 0
     normalized = body.replace(b"\r\n", b"\n")
@@ -292,26 +358,30 @@ def read_events(body: bytes, time_of: Any = None) -> StreamView:
         pos = end + 2
         if not raw.strip(b"\n"):
             continue
-        lines = [ln[5:].lstrip(b" ") for ln in raw.split(b"\n") if ln.startswith(b"data:")]
+        lines = raw.split(b"\n")
+        data_lines = [ln[5:].lstrip(b" ") for ln in lines if ln.startswith(b"data:")]
+        names = [ln[6:].strip() for ln in lines if ln.startswith(b"event:")]
+        name = names[-1].decode("utf-8", "replace") if names else None
         t = time_of(pos) if time_of is not None else None
-        if not lines:
-            events.append(SseEvent(t, raw, None, "comment"))
+        if not data_lines:
+            events.append(SseEvent(t, raw, None, "comment", name))
             continue
-        payload = b"\n".join(lines)
+        payload = b"\n".join(data_lines)
         if payload.strip() == b"[DONE]":
-            events.append(SseEvent(t, raw, DONE, "done"))
+            # Chat's end marker; the named-event APIs have none, so there it ends nothing (`stray_done`).
+            events.append(SseEvent(t, raw, DONE, "other" if spec.named_events else "done", name))
             continue
         try:
             data = json.loads(payload)
         except ValueError:
-            events.append(SseEvent(t, raw, None, "unparseable"))
+            events.append(SseEvent(t, raw, None, "unparseable", name))
             continue
-        events.append(SseEvent(t, raw, data, _classify(data)))
-    return StreamView(events, normalized[pos:] if normalized[pos:].strip() else b"")
+        events.append(SseEvent(t, raw, data, _classify(data, spec, name), name))
+    return StreamView(events, normalized[pos:] if normalized[pos:].strip() else b"", api)
 
 
 def read_stream(x: Exchange) -> StreamView:
-    return read_events(x.body, x.arrival_of)
+    return read_events(x.body, x.arrival_of, x.api)
 
 
 def journal_settled(record: dict[str, Any]) -> bool:

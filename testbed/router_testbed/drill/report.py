@@ -14,9 +14,10 @@ import json
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from router_testbed.drill import apis
 from router_testbed.drill.evidence import Exchange, read_stream
 from router_testbed.drill.scenarios import Result
 
@@ -67,33 +68,48 @@ def checks_cell(r: Result) -> str:
     return cell + (f" +{skipped} N/A" if skipped else "")
 
 
+def api_cell(r: Result) -> str:
+    """The API a result's requests spoke ("-": not an inference API's request, tool-replay)."""
+    return r.api or "-"
+
+
+def _named(r: Result, several: bool) -> str:
+    """A scenario as the lines under the table name it: with its API when the run had several."""
+    return f"{r.scenario.name} ({r.api})" if several and r.api else r.scenario.name
+
+
 def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
-    """The verdict table, then every failed check with what was seen, then why a scenario did not apply,
-    then the notes."""
+    """The verdict table (one row per scenario and API), then every failed check with what was seen, then
+    why a scenario did not apply, then the notes."""
     s = style or Style(False)
+    several = len({r.api for r in results if r.api}) > 1
+    api_w = max([len("api"), *(len(api_cell(r)) for r in results)])
     name_w = max([len("scenario"), *(len(r.scenario.name) for r in results)])
     fault_w = 46
-    header = f"  {'scenario':<{name_w}}  {'fault':<{fault_w}}  verdict  {'checks':>12}    time"
+    header = (
+        f"  {'scenario':<{name_w}}  {'api':<{api_w}}  {'fault':<{fault_w}}  verdict  {'checks':>12}    time"
+    )
     lines = [s.bold(header)]
     marks = {"PASS": s.green("PASS   "), "FAIL": s.red("FAIL   "), "N/A": s.dim("N/A    ")}
     for r in results:
         lines.append(
-            f"  {r.scenario.name:<{name_w}}  {_cut(r.fault, fault_w):<{fault_w}}  {marks[r.status]}  "
-            f"{checks_cell(r):>12}  {r.seconds:5.1f}s"
+            f"  {r.scenario.name:<{name_w}}  {api_cell(r):<{api_w}}  {_cut(r.fault, fault_w):<{fault_w}}  "
+            f"{marks[r.status]}  {checks_cell(r):>12}  {r.seconds:5.1f}s"
         )
     for r in results:
         if not r.violated:
             continue
         lines.append("")
-        lines.append(s.red(f"FAIL {r.scenario.name}") + f" ({r.scenario.title}): {r.scenario.promise}")
+        title = f"FAIL {r.scenario.name}" + (f" on {apis.of(r.api).title}" if r.api else "")
+        lines.append(s.red(title) + f" ({r.scenario.title}): {r.scenario.promise}")
         for c in r.verdict.failed:
             lines.append(f"  ✗ {c.what}")
             lines.append(s.dim(f"      seen: {c.seen}"))
     skipped = [r for r in results if r.not_applicable is not None]
     if skipped:
         lines.append("")
-        lines += [s.dim(f"N/A {r.scenario.name}: {r.not_applicable}") for r in skipped]
-    notes = [(r.scenario.name, n) for r in results for n in r.verdict.notes]
+        lines += [s.dim(f"N/A {_named(r, several)}: {r.not_applicable}") for r in skipped]
+    notes = [(_named(r, several), n) for r in results for n in r.verdict.notes]
     if notes:
         lines.append("")
         lines += [s.yellow(f"note {name}: {text}") for name, text in notes]
@@ -103,7 +119,8 @@ def verdict_table(results: Sequence[Result], style: Style | None = None) -> str:
 def summary_line(results: Sequence[Result], seconds: float) -> str:
     judged = [r for r in results if r.not_applicable is None]
     passed = sum(r.passed for r in judged)
-    failed = [r.scenario.name for r in judged if r.violated]
+    several = len({r.api for r in results if r.api}) > 1
+    failed = [_named(r, several) for r in judged if r.violated]
     skipped = len(results) - len(judged)
     line = f"{passed}/{len(judged)} scenarios passed"
     line += f" ({skipped} not applicable to this gateway)" if skipped else ""
@@ -123,12 +140,14 @@ class RunInfo:
     started_at: float
     seconds: float
     router_sidecar: bool = True  # the gateway keeps router-sidecar's journal
+    apis: list[str] = field(default_factory=lambda: [apis.DEFAULT])  # the APIs the matrix ran on
 
 
 def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
     return {
         "gateway": info.gateway,
         "router_sidecar": info.router_sidecar,
+        "apis": info.apis,
         "fault_mode": info.fault_mode,
         "model": info.model,
         "run_id": info.run_id,
@@ -138,6 +157,7 @@ def to_json(info: RunInfo, results: Sequence[Result]) -> dict[str, Any]:
         "scenarios": [
             {
                 "name": r.scenario.name,
+                "api": r.api,
                 "title": r.scenario.title,
                 "promise": r.scenario.promise,
                 "source": r.scenario.source,
@@ -412,18 +432,20 @@ def _client_lane(out: list[str], x: Exchange, scale: _Scale, y: float, top: _Lab
                     f"<title>content event {at}: {_e(_cut(json.dumps(e.data), 300))}</title></line>"
                 )
             elif e.kind == "frame":
+                what = f"{e.name} event" if e.name else "terminal frame"
                 out.append(
-                    f"<g><title>terminal frame {at}: {_e(json.dumps(e.data))}</title>"
+                    f"<g><title>{_e(what)} {at}: {_e(_cut(json.dumps(e.data), 600))}</title>"
                     f'<path d="M{ex:.1f},{y - 8} l7,8 l-7,8 l-7,-8 z" class="frame"/></g>'
                 )
             elif e.kind == "done":
                 out.append(
-                    f'<g><title>[DONE] {at}</title><circle cx="{ex:.1f}" cy="{y}" r="5" class="done"/></g>'
+                    f"<g><title>{_e(e.name or '[DONE]')} {at}</title>"
+                    f'<circle cx="{ex:.1f}" cy="{y}" r="5" class="done"/></g>'
                 )
             else:
                 out.append(
                     f'<line x1="{ex:.1f}" y1="{y - 3}" x2="{ex:.1f}" y2="{y + 3}" class="minor">'
-                    f"<title>{_e(e.kind)} event {at}</title></line>"
+                    f"<title>{_e(e.name or e.kind)} event {at}</title></line>"
                 )
     if x.disconnected_at is not None:
         _cross(
@@ -606,6 +628,12 @@ PICTURE_HELP = (
 )
 
 
+def _anchor_of(r: Result) -> str:
+    """A section's id: the scenario, with its API when it has one other than chat (a run of every API has
+    one section per scenario and API; chat's keep the ids they always had)."""
+    return r.scenario.name if r.api in (None, apis.DEFAULT) else f"{r.api}-{r.scenario.name}"
+
+
 def _pre(text: str, limit: int = 48 * 1024) -> str:
     cut = text[:limit] + (f"\n… ({len(text) - limit} more characters)" if len(text) > limit else "")
     return f"<pre>{_e(cut)}</pre>"
@@ -658,8 +686,9 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         v = r.status
         first = r.verdict.failed[0].what if r.verdict.failed else r.not_applicable or ""
         rows.append(
-            f'<tr><td><a href="#{_e(r.scenario.name)}">{_e(r.scenario.name)}</a></td>'
-            f'<td>{_e(r.fault)}</td><td><span class="badge {_badge(v)}">{v}</span></td>'
+            f'<tr><td><a href="#{_e(_anchor_of(r))}">{_e(r.scenario.name)}</a></td>'
+            f"<td>{_e(api_cell(r))}</td><td>{_e(r.fault)}</td>"
+            f'<td><span class="badge {_badge(v)}">{v}</span></td>'
             f"<td>{_e(checks_cell(r))}</td><td>{r.seconds:.1f}s</td><td>{_e(first)}</td></tr>"
         )
     sections = []
@@ -667,11 +696,18 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         v = r.status
         notes = "".join(f'<p class="note">note: {_e(n)}</p>' for n in r.verdict.notes)
         why = f'<p class="note">not applicable: {_e(r.not_applicable)}</p>' if r.not_applicable else ""
+        api = (
+            f"<p><b>API</b>: {_e(apis.of(r.api).title)} (<code>POST {_e(apis.of(r.api).path)}</code>), "
+            f"judged by its own rules: clean end <code>{_e(apis.of(r.api).end)}</code>, terminal event "
+            f"<code>{_e(apis.of(r.api).terminal)}</code></p>"
+            if r.api
+            else ""
+        )
         sections.append(
-            f'<section id="{_e(r.scenario.name)}" class="{_badge(v).lower()}">'
-            f"<h2>{_e(r.scenario.name)} — {_e(r.scenario.title)} "
+            f'<section id="{_e(_anchor_of(r))}" class="{_badge(v).lower()}">'
+            f"<h2>{_e(r.scenario.name)}{_e(f' · {r.api}' if r.api else '')} — {_e(r.scenario.title)} "
             f'<span class="badge {_badge(v)}">{v}</span></h2>'
-            f"<p><b>Promise</b> ({_e(r.scenario.source)}): {_e(r.scenario.promise)}</p>"
+            f"{api}<p><b>Promise</b> ({_e(r.scenario.source)}): {_e(r.scenario.promise)}</p>"
             f"<p><b>Fault</b>: {_e(r.fault)} · {r.seconds:.1f}s</p>"
             f"{why}{_checks_html(r.verdict.checks)}{notes}"
             + "".join(_exchange_html(x) for x in r.evidence.exchanges)
@@ -686,9 +722,10 @@ def html_report(info: RunInfo, results: Sequence[Result]) -> str:
         f"<h1>router-testbed drill: {passed}/{len(judged)} scenarios passed{applies} "
         f'<span class="badge {verdict}">{verdict}</span></h1>'
         f'<p class="meta">gateway {_e(info.gateway)} ({_e(kind)}) · fault mode {_e(info.fault_mode)} · '
-        f"model {_e(info.model)} · run {_e(info.run_id)} · {when} · {info.seconds:.1f}s</p>"
-        '<table class="summary"><tr><th>scenario</th><th>fault</th><th>verdict</th><th>checks</th>'
-        "<th>time</th><th>first violation</th></tr>"
+        f"model {_e(info.model)} · api {_e(', '.join(info.apis))} · run {_e(info.run_id)} · {when} · "
+        f"{info.seconds:.1f}s</p>"
+        '<table class="summary"><tr><th>scenario</th><th>api</th><th>fault</th><th>verdict</th>'
+        "<th>checks</th><th>time</th><th>first violation</th></tr>"
         + "".join(rows)
         + "</table>"
         + LEGEND
@@ -730,21 +767,24 @@ def client_got(x: Exchange) -> str:
         error = x.json_error()
         return f"HTTP {x.status}" + (f" {error.get('code')}" if error else "") + " and no stream"
     view = read_stream(x)
+    spec = x.spec
     got = f"HTTP {x.status}, {_plural(len(view.content), 'content event')}"
     frames = view.frames
+    word = "terminal event" if spec.named_events else "terminal frame"
     if len(frames) == 1:
-        got += f", then one terminal frame ({frames[0].get('code')})"
+        got += f", then one {word} ({frames[0].get('code') or frames[0].get('type')})"
     elif frames:
-        got += f", then {len(frames)} terminal frames"
+        got += f", then {len(frames)} {word}s"
     if view.done_count:
-        got += " and [DONE]" if frames else ", then [DONE]"
+        end = next((e.name for e in view.events if e.kind == "done" and e.name), None) or "[DONE]"
+        got += f" and {end}" if frames else f", then {end}"
     if x.disconnected_at is not None:
         got += ", then the client left"
     elif x.transport_error:
         kind = x.transport_error.split(":", 1)[0]
         reset = kind in ("RemoteProtocolError", "ReadError")
         got += ", then a transport reset" if reset else f", then {kind}"
-        got += "" if view.done_count else " (no [DONE])"
+        got += "" if view.done_count else f" (no {spec.end})"
     if len(view.content_ids) == 1:
         served = [a for a in x.attempts if a.get("outcome") in ("completed", "interrupted", "cancelled")]
         if len(served) == 1:
@@ -848,6 +888,7 @@ def figure_svg(info: RunInfo, results: Sequence[Result]) -> str:
         when = fault_against_first_delta(x)
         title = f"{when[:1].upper()}{when[1:]}: {r.scenario.title}" if when else r.scenario.title
         title = title[:1].upper() + title[1:] + (f" ({x.label})" if len(r.evidence.exchanges) > 1 else "")
+        title += f", {apis.of(r.api).title}" if r.api not in (None, apis.DEFAULT) else ""
         # A space at a <tspan>'s edge may be dropped by a renderer: the gaps are no-break spaces.
         body.append(
             f'<text x="6" y="{y + 16:.1f}" class="fh">{_e(title)}'

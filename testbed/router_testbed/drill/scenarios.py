@@ -15,6 +15,10 @@ request per Idempotency-Key, tool calls replayed by key) and those whose hook fi
 its journal are not applicable; the others run, and their verdicts skip what only router-sidecar keeps
 (`verdicts.Verdict.router_sidecar`).
 
+Every scenario runs on one streaming API at a time (`apis.py`: chat completions, completions, the Responses
+API, the Messages API): its requests are that API's, and its judge reads the client's bytes by that API's
+rules. `--api all` runs the matrix once per API.
+
 A driver sends the requests and records evidence (`client.py`); the judge (`verdicts.py`) decides.
 """
 
@@ -27,18 +31,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from router_testbed.drill import apis
 from router_testbed.drill import verdicts as v
 from router_testbed.drill.client import Client, Reaction
 from router_testbed.drill.evidence import Exchange, HookRun, SseEvent
 from router_testbed.drill.hooks import Hooks
 
-CHAT = "/v1/chat/completions"
 MODES = ("sim", "hooks", "none")
 SHORT_TOKENS = 8
 SIM_LONG_TOKENS = 40  # the simulator's faults pause a stream where needed; no need for a long one
 KEY_RELEASE_WAIT = 5.0  # how long a finished request's key may still count as in flight
 # Just over the default limits.max_request_body_bytes (4 MiB): the gateway's own documented refusal.
 DEFAULT_OVERSIZE = 4 * 1024 * 1024 + 1024
+# Why a reset, not a terminal event, is honest for the Responses API's in-band error (a note when it happens).
+RESPONSES_CUT = (
+    "vLLM's Responses route ends a stream on a generation error without any event and without its last chunk "
+    "(as its engine's death does): the gateway gets a broken body and no proxy can add an event to a reset "
+    "stream"
+)
 
 
 @dataclass
@@ -55,29 +65,29 @@ class Context:
     oversize_bytes: int = 4 * 1024 * 1024 + 1024
     timeout: float = 30.0
     router_sidecar: bool = True  # the gateway keeps router-sidecar's journal (found by the pre-flight)
+    api: str = apis.DEFAULT  # the API this scenario's requests speak
 
     @property
     def sim(self) -> bool:
         return self.mode == "sim"
 
-    def key(self, scenario: str, n: int = 1) -> str:
-        """An Idempotency-Key (= the gateway's request id) unique to this run, scenario and request."""
-        return f"drill-{self.run_id}-{scenario}-{n}"
+    @property
+    def spec(self) -> apis.Api:
+        return apis.of(self.api)
 
-    def chat(self, max_tokens: int, **extra: Any) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "messages": [{"role": "user", "content": "Drill: tell me a short story."}],
-            "stream": True,
-            "max_tokens": max_tokens,
-            # A fixed seed makes a simulated replica's generation known in advance (the text oracle).
-            "seed": 7,
-            # Usage in every event: the client's own token count, exact on a real engine too.
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            # A real engine generates exactly max_tokens, so a stream is as long as the scenario needs.
-            "ignore_eos": True,
-            **extra,
-        }
+    def key(self, scenario: str, n: int = 1) -> str:
+        """An Idempotency-Key (= the gateway's request id) unique to this run, API, scenario and request
+        (chat completions' keys do not name their API)."""
+        api = "" if self.api == apis.DEFAULT else f"{self.api}-"
+        return f"drill-{self.run_id}-{api}{scenario}-{n}"
+
+    def body(self, max_tokens: int, /, **extra: Any) -> dict[str, Any]:
+        """A streamed request of this run's API (`apis.Api.body`: a fixed seed makes a simulated replica's
+        generation known in advance; a real engine writes all `max_tokens`)."""
+        return self.spec.body(self.model, max_tokens, **extra)
+
+    def exchange(self, label: str, key: str | None, fault: str | None = None) -> Exchange:
+        return Exchange(label, "POST", self.spec.path, key, fault=fault, api=self.api)
 
     def expected_pieces(self, body: dict[str, Any]) -> tuple[str, ...] | None:
         """The text of each content event a simulated replica writes for `body` (None outside sim mode)."""
@@ -86,7 +96,11 @@ class Context:
         from router_testbed.sim import generation as gen
 
         try:
-            request = gen.parse_request("chat", json.dumps(body).encode(), served_model=str(body["model"]))
+            request = gen.parse_request(
+                self.spec.sim_kind,  # type: ignore[arg-type]
+                json.dumps(body).encode(),
+                served_model=str(body["model"]),
+            )
         except gen.RequestError:
             return None
         output = gen.plan_output(request, 0)  # the request's own seed wins over the server's
@@ -113,6 +127,16 @@ class Scenario:
     expect: dict[str, Any] = field(default_factory=dict)  # passed to the judge (what the fault leads to)
     # Why its promise is router-sidecar's own, not one any gateway makes (None: any gateway's).
     router_sidecar_only: str | None = None
+    # Per API: another simulator fault where the API's own stream needs one, and what it leads to.
+    api_faults: dict[str, str] = field(default_factory=dict)
+    api_expect: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_api: bool = True  # False: not an inference API's request (tool-replay): run once, whatever --api
+
+    def fault_for(self, api: str) -> str | None:
+        return self.api_faults.get(api, self.sim_fault)
+
+    def expect_for(self, api: str) -> dict[str, Any]:
+        return {**self.expect, **self.api_expect.get(api, {})}
 
     def needs_router_sidecar(self, mode: str) -> str | None:
         """Why it cannot be judged against another gateway in `mode`, or None when it can."""
@@ -144,14 +168,15 @@ class Scenario:
             return True, ""
         return False, "needs a fault (--fault-mode sim or hooks)"
 
-    def fault_in(self, mode: str) -> str:
-        """The fault this scenario injects in `mode`, for the report."""
+    def fault_in(self, mode: str, api: str = apis.DEFAULT) -> str:
+        """The fault this scenario injects in `mode` on `api`, for the report."""
+        sim_fault = self.fault_for(api)
         if not self.needs_fault:
             # A pause that keeps the stream running while the drill acts; not a failure.
-            return f"x-sim-fault: {self.sim_fault}" if mode == "sim" and self.sim_fault else "none"
+            return f"x-sim-fault: {sim_fault}" if mode == "sim" and sim_fault else "none"
         hooks = " then ".join(f"{a} hook" for a in (self.sim_hooks if mode == "sim" else self.hooks))
         if mode == "sim":
-            header = f"x-sim-fault: {self.sim_fault}" if self.sim_fault else ""
+            header = f"x-sim-fault: {sim_fault}" if sim_fault else ""
             return "; ".join(p for p in (header, hooks and f"{hooks} on the serving replica") if p)
         if mode == "hooks":
             return " then ".join(f"{a} hook" for a in self.hooks) + " on the serving replica"
@@ -162,19 +187,19 @@ class Scenario:
 
 
 def _request(ctx: Context, sc: Scenario, label: str, body: dict[str, Any], n: int = 1) -> Exchange:
-    fault = sc.sim_fault if ctx.sim else None
-    x = Exchange(label, "POST", CHAT, ctx.key(sc.name, n), fault=fault)
+    fault = sc.fault_for(ctx.api) if ctx.sim else None
+    x = ctx.exchange(label, ctx.key(sc.name, n), fault)
     x.expected_pieces = ctx.expected_pieces(body)
     return x
 
 
 def drive_one(ctx: Context, sc: Scenario) -> v.Evidence:
     """One streamed request (with the scenario's fault header in sim mode), read to its end."""
-    body = ctx.chat(SHORT_TOKENS)
+    body = ctx.body(SHORT_TOKENS)
     x = _request(ctx, sc, "the request", body)
     ctx.client.send(x, json_body=body)
     ctx.client.settle(x, timeout=ctx.timeout)
-    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect))
+    return v.Evidence([x], sim=ctx.sim, expect=sc.expect_for(ctx.api))
 
 
 def drive_hook_after_first_delta(ctx: Context, sc: Scenario) -> v.Evidence:
@@ -184,7 +209,7 @@ def drive_hook_after_first_delta(ctx: Context, sc: Scenario) -> v.Evidence:
     actions = sc.sim_hooks if ctx.sim else sc.hooks
     if not actions:
         return drive_one(ctx, sc)
-    body = ctx.chat(ctx.long_tokens)
+    body = ctx.body(ctx.long_tokens)
     x = _request(ctx, sc, "the request", body)
     runs: list[HookRun] = []
     target: list[str] = []
@@ -218,7 +243,7 @@ def drive_freeze_in_prefill(ctx: Context, sc: Scenario) -> v.Evidence:
     journal until it names the replica holding the attempt, and freezes it: alive, connected, silent. The
     client's request blocks until the gateway answers (it holds the headers until the first delta), so the
     watcher has its own connection. The replica is thawed once the request ended."""
-    body = ctx.chat(SHORT_TOKENS)
+    body = ctx.body(SHORT_TOKENS)
     x = _request(ctx, sc, "the request", body)
     assert x.request_id is not None
     key = x.request_id
@@ -250,14 +275,14 @@ def drive_freeze_in_prefill(ctx: Context, sc: Scenario) -> v.Evidence:
             runs.append(ctx.hooks.run(sc.sim_hooks[1], target[0]))
     x.hooks = runs
     ctx.client.settle(x, timeout=ctx.timeout)
-    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect), hooks=runs)
+    return v.Evidence([x], sim=ctx.sim, expect=sc.expect_for(ctx.api), hooks=runs)
 
 
 def drive_disconnect(ctx: Context, sc: Scenario) -> v.Evidence:
     """A stream the client leaves after its third content event (the simulator pauses there, so it is
     still running); then the journal and the replica's log are read."""
     leave_after = int(sc.expect.get("leave_after", 3))
-    body = ctx.chat(SIM_LONG_TOKENS if ctx.sim else ctx.long_tokens)
+    body = ctx.body(SIM_LONG_TOKENS if ctx.sim else ctx.long_tokens)
     x = _request(ctx, sc, "the request", body)
 
     def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
@@ -265,7 +290,7 @@ def drive_disconnect(ctx: Context, sc: Scenario) -> v.Evidence:
 
     ctx.client.send(x, json_body=body, on_event=on_event)
     ctx.client.settle(x, timeout=ctx.timeout)
-    return v.Evidence([x], sim=ctx.sim, expect=dict(sc.expect))
+    return v.Evidence([x], sim=ctx.sim, expect=sc.expect_for(ctx.api))
 
 
 def drive_duplicate(ctx: Context, sc: Scenario) -> v.Evidence:
@@ -275,9 +300,9 @@ def drive_duplicate(ctx: Context, sc: Scenario) -> v.Evidence:
     The gateway lets go of a key a moment after the client read [DONE] (its ext_proc stream ends after the
     response): until then the key is still in flight. So the last request is asked again, for a bounded
     time, while it is told so; how long that lasted is recorded as a note."""
-    body = ctx.chat(SHORT_TOKENS if ctx.sim else ctx.long_tokens)
+    body = ctx.body(SHORT_TOKENS if ctx.sim else ctx.long_tokens)
     first = _request(ctx, sc, "the first request", body)
-    dup = Exchange("the duplicate", "POST", CHAT, first.request_id)
+    dup = ctx.exchange("the duplicate", first.request_id)
 
     def on_event(ex: Exchange, event: SseEvent, content: int) -> Reaction:
         if content == 1 and dup.sent_at == 0.0:
@@ -290,7 +315,7 @@ def drive_duplicate(ctx: Context, sc: Scenario) -> v.Evidence:
     deadline = time.monotonic() + KEY_RELEASE_WAIT
     in_flight = 0
     while True:
-        after = Exchange("after completion", "POST", CHAT, first.request_id)
+        after = ctx.exchange("after completion", first.request_id)
         ctx.client.send(after, json_body=body)
         error = after.json_error() or {}
         if error.get("code") != "idempotency_key_in_flight" or time.monotonic() > deadline:
@@ -303,22 +328,21 @@ def drive_duplicate(ctx: Context, sc: Scenario) -> v.Evidence:
             f"after its record said completed, the key was still answered idempotency_key_in_flight "
             f"{in_flight} time(s), for {after.sent_at - settled:.2f}s"
         )
-    return v.Evidence([first, dup, after], sim=ctx.sim, expect=dict(sc.expect), notes=notes)
+    return v.Evidence([first, dup, after], sim=ctx.sim, expect=sc.expect_for(ctx.api), notes=notes)
 
 
 def drive_malformed(ctx: Context, sc: Scenario) -> v.Evidence:
     """Three bad requests: a body that is not JSON, a body over the size limit, a model nobody serves."""
     client = ctx.client
-    bad_json = Exchange("invalid JSON", "POST", CHAT, ctx.key(sc.name, 1))
-    client.send(bad_json, content=b'{"model": "' + ctx.model.encode() + b'", "messages": [')
-    oversize = Exchange("oversize body", "POST", CHAT, ctx.key(sc.name, 2))
-    big = ctx.chat(SHORT_TOKENS, messages=[{"role": "user", "content": "x" * ctx.oversize_bytes}])
-    client.send(oversize, json_body=big)
-    unknown = Exchange("unknown model", "POST", CHAT, ctx.key(sc.name, 3))
-    client.send(unknown, json_body=ctx.chat(SHORT_TOKENS, model=f"drill-no-such-model-{ctx.run_id}"))
+    bad_json = ctx.exchange("invalid JSON", ctx.key(sc.name, 1))
+    client.send(bad_json, content=ctx.spec.truncated_json(ctx.model))
+    oversize = ctx.exchange("oversize body", ctx.key(sc.name, 2))
+    client.send(oversize, json_body=ctx.spec.huge(ctx.model, SHORT_TOKENS, ctx.oversize_bytes))
+    unknown = ctx.exchange("unknown model", ctx.key(sc.name, 3))
+    client.send(unknown, json_body=ctx.body(SHORT_TOKENS, model=f"drill-no-such-model-{ctx.run_id}"))
     for x in (bad_json, oversize, unknown):
         client.settle(x, expect_record=False, timeout=ctx.timeout)
-    return v.Evidence([bad_json, oversize, unknown], sim=ctx.sim, expect=dict(sc.expect))
+    return v.Evidence([bad_json, oversize, unknown], sim=ctx.sim, expect=sc.expect_for(ctx.api))
 
 
 def drive_tool_replay(ctx: Context, sc: Scenario) -> v.Evidence:
@@ -334,7 +358,7 @@ def drive_tool_replay(ctx: Context, sc: Scenario) -> v.Evidence:
     ctx.client.send(call, json_body=body)
     ctx.client.send(replay, json_body=body)
     ctx.client.send(other, json_body={**body, "amount": 2})
-    return v.Evidence([call, replay, other], sim=ctx.sim, expect=dict(sc.expect))
+    return v.Evidence([call, replay, other], sim=ctx.sim, expect=sc.expect_for(ctx.api))
 
 
 # --- the matrix ---------------------------------------------------------------------------------------
@@ -345,7 +369,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         "healthy request",
         "No fault: one complete answer from one attempt.",
         "baseline",
-        "exactly one [DONE], one finish, one completion id; journal completed, 1 attempt, count = client's",
+        "exactly one clean end ([DONE], response.completed, message_stop), last; one finish; one answer "
+        "id and one preamble (Responses: sequence numbers from 0); journal completed, 1 attempt, count = "
+        "client's",
         drive_one,
         v.judge_healthy,
         needs_fault=False,
@@ -365,10 +391,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "dies-after-token",
         "replica dies after computing a token",
-        "200 and the role event sent, the process gone before the first content event: still retried; "
-        "the client sees no fragment.",
+        "200 and the role event sent (Responses: response.created; Messages: message_start), the process "
+        "gone before the first content event: still retried; the client sees no fragment.",
         "article, test 2",
-        "as dies-in-prefill: one complete answer from attempt 2, no byte of attempt 1 (one completion id)",
+        "as dies-in-prefill: one complete answer from attempt 2, no byte of attempt 1 (one answer id; one "
+        "response.created / message_start, sequence numbers gapless from 0)",
         drive_one,
         v.judge_retried,
         sim_fault="reset@token:1 attempt=1",
@@ -377,10 +404,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "dies-after-first-delta",
         "replica dies after the first delta",
         "The first delta was delivered: no retry, no second answer. The client gets the prefix, then a "
-        "reset (or one terminal frame); the journal keeps the facts under the request id.",
+        "reset (or one terminal event); the journal keeps the facts under the request id.",
         "article, test 3",
-        "the prefix of one attempt, then a reset without [DONE] or one frame; journal interrupted, "
-        "1 attempt, client <= delivered_output_tokens <= written; x-request-id names the record",
+        "the prefix of one attempt, then a reset without the API's end or one terminal event; journal "
+        "interrupted, 1 attempt, client <= delivered_output_tokens <= written; x-request-id names the record",
         drive_hook_after_first_delta,
         v.judge_death_after_first_delta,
         sim_fault="delay@after:2 for=0.3; reset@after:2",
@@ -389,12 +416,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "ends-without-done",
-        "upstream ends cleanly without [DONE]",
-        "After the first delta the body ends cleanly but without [DONE] or a finish: exactly one terminal "
-        "frame, then [DONE] — never a silent cut.",
+        "upstream ends cleanly without its end",
+        "After the first delta the body ends cleanly but without its end ([DONE] or a finish; "
+        "response.completed; message_stop): exactly one terminal event in the client's API (chat: a frame "
+        "then [DONE]; Responses: response.failed; Messages: event: error) — never a silent cut.",
         "README",
-        "3 content events, exactly one frame (code, request_id, partial_output, retryable=false, "
-        "delivered_output_tokens = client's) then [DONE]; journal interrupted with the same count",
+        "3 content events, exactly one terminal event (code, request_id, partial_output, retryable=false, "
+        "delivered_output_tokens = client's; Responses: the response id and the next sequence number; "
+        "Messages: an Anthropic error type), last; journal interrupted with the same count",
         drive_one,
         v.judge_frame_after_first_delta,
         sim_fault="close@after:3",
@@ -404,14 +433,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         "error-after-first-delta",
         "in-band error after the first delta",
         "The replica writes its own error event after the first delta: the client gets the prefix and "
-        "exactly one terminal frame, never the replica's raw error.",
+        "exactly one terminal event, never the replica's raw error.",
         "README",
-        "2 content events, exactly one frame (the gateway's, not the replica's) then [DONE]; journal "
-        "interrupted with the client's count",
+        "2 content events, exactly one terminal event (the gateway's, not the replica's), last; journal "
+        "interrupted with the client's count (Responses: vLLM writes no error event, it cuts the body: a "
+        "reset is allowed, as for a replica that dies)",
         drive_one,
         v.judge_frame_after_first_delta,
         sim_fault="error@after:2",
         expect={"content_before_fault": 2},
+        # vLLM's Responses route ends a stream on a generation error without any event and without its last
+        # chunk (docs/simulator.md): the gateway gets a broken body, as from a replica that died. The pause
+        # lets the two content events reach the client before the cut, as in dies-after-first-delta.
+        api_faults={"responses": "delay@after:2 for=0.3; error@after:2"},
+        api_expect={"responses": {"allow_reset": RESPONSES_CUT}},
     ),
     Scenario(
         "client-disconnect",
@@ -442,11 +477,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "all-replicas-fail",
         "all replicas failing",
-        "Every allowed attempt fails before content: exactly one JSON error naming the request and why; "
-        "never a partial body or a dead attempt's bytes.",
+        "Every allowed attempt fails before content: exactly one JSON error naming the request and why, in "
+        "the API's shape; never a partial body or a dead attempt's bytes.",
         "invariant 8, docs/design.md#the-invariants",
-        "HTTP 502/503 JSON retries_exhausted with this request_id, no SSE bytes; journal failed, every "
-        "attempt failed, 0 delivered, leases one after the other",
+        "HTTP 502/503 JSON retries_exhausted with this request_id, in the API's error shape (Messages: "
+        "Anthropic's, its type for the status), no SSE bytes; journal failed, every attempt failed, "
+        "0 delivered, leases one after the other",
         drive_one,
         v.judge_all_replicas_fail,
         sim_fault="reset@role",
@@ -471,10 +507,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "malformed-input",
         "malformed input",
         "A body that is not JSON, an oversize body and an unknown model get a clear 4xx JSON error "
-        "naming the request; nothing is served.",
+        "naming the request, in the API's shape; nothing is served.",
         "README, invariant 10 (docs/design.md#the-invariants)",
-        "400 invalid_json and 413 request_too_large naming the request; the unknown model a 4xx JSON "
-        "error; no SSE bytes; nothing journaled as served",
+        "400 invalid_json and 413 request_too_large naming the request, in the API's error shape; the "
+        "unknown model a 4xx JSON error; no SSE bytes; nothing journaled as served",
         drive_malformed,
         v.judge_malformed_input,
         needs_fault=False,
@@ -493,6 +529,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         needs_fault=False,
         needs_tool=True,
         router_sidecar_only="tool calls replayed by Idempotency-Key under /tools/ are router-sidecar's",
+        per_api=False,
     ),
     Scenario(
         "frozen-in-prefill",
@@ -512,10 +549,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "frozen-after-first-delta",
         "replica frozen after the first delta",
         "The serving replica stops answering after the first delta but keeps its connection open (path "
-        "lost, process alive): the gateway loses it and ends the stream with one terminal frame within a "
+        "lost, process alive): the gateway loses it and ends the stream with one terminal event within a "
         "bounded time.",
         "article, test 4; README",
-        "the prefix, then exactly one frame and [DONE]; journal interrupted with replica_lost in the "
+        "the prefix, then exactly one terminal event, last; journal interrupted with replica_lost in the "
         "trace; the time from the freeze to the end of the stream",
         drive_hook_after_first_delta,
         v.judge_frozen_after_first_delta,
@@ -527,16 +564,27 @@ SCENARIOS: tuple[Scenario, ...] = (
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
+def _rank(s: Scenario, mode: str) -> int:
+    used = s.sim_hooks if mode == "sim" else s.hooks if mode == "hooks" else ()
+    return 2 if "kill" in used else 1 if used else 0
+
+
 def run_order(selected: list[Scenario], mode: str) -> list[Scenario]:
     """Matrix order, except that the scenarios that hurt a replica through a hook run last: a thawed replica
     is back only when the gateway's health probe sees it again, a killed one when its own supervisor
     restarts it; the kill runs after the freezes."""
+    return sorted(selected, key=lambda s: _rank(s, mode))
 
-    def rank(s: Scenario) -> int:
-        used = s.sim_hooks if mode == "sim" else s.hooks if mode == "hooks" else ()
-        return 2 if "kill" in used else 1 if used else 0
 
-    return sorted(selected, key=rank)
+def plan(selected: list[Scenario], mode: str, api_names: list[str]) -> list[tuple[Scenario, str | None]]:
+    """The runs: each scenario on each API (one that is not an inference request, tool-replay, once, on no
+    API), the matrix of one API after the other; the scenarios that hurt a replica after every other run,
+    of every API, the kills last."""
+    runs: list[tuple[Scenario, str | None]] = []
+    for api in api_names:
+        runs += [(s, api) for s in selected if s.per_api]
+    runs += [(s, None) for s in selected if not s.per_api]
+    return sorted(runs, key=lambda run: _rank(run[0], mode))
 
 
 @dataclass
@@ -547,6 +595,7 @@ class Result:
     fault: str
     seconds: float
     not_applicable: str | None = None  # why it was not run against this gateway (then never a violation)
+    api: str | None = apis.DEFAULT  # the API its requests spoke (None: not an inference API's, tool-replay)
 
     @property
     def passed(self) -> bool:
@@ -561,11 +610,13 @@ class Result:
         return "N/A" if self.not_applicable is not None else "PASS" if self.verdict.passed else "FAIL"
 
 
-def not_applicable(sc: Scenario, mode: str, why: str) -> Result:
-    return Result(sc, v.Verdict(), v.Evidence([]), sc.fault_in(mode), 0.0, not_applicable=why)
+def not_applicable(sc: Scenario, mode: str, why: str, api: str | None = apis.DEFAULT) -> Result:
+    fault = sc.fault_in(mode, api or apis.DEFAULT)
+    return Result(sc, v.Verdict(), v.Evidence([]), fault, 0.0, not_applicable=why, api=api)
 
 
 def run_scenario(ctx: Context, sc: Scenario) -> Result:
+    """Run `sc` on `ctx.api` (tool-replay on no API) and judge it."""
     started = time.monotonic()
     try:
         evidence = sc.drive(ctx, sc)
@@ -580,5 +631,11 @@ def run_scenario(ctx: Context, sc: Scenario) -> Result:
     # still a violation.
     inconclusive = verdict.inconclusive if not verdict.failed else None
     return Result(
-        sc, verdict, evidence, sc.fault_in(ctx.mode), time.monotonic() - started, not_applicable=inconclusive
+        sc,
+        verdict,
+        evidence,
+        sc.fault_in(ctx.mode, ctx.api),
+        time.monotonic() - started,
+        not_applicable=inconclusive,
+        api=ctx.api if sc.per_api else None,
     )

@@ -6,8 +6,8 @@ The checks are the invariants of docs/design.md#the-invariants, read from the cl
 gateway's journal record and, for simulated replicas, the replica's own log:
 
 1. the client gets content from at most one attempt;
-2. one complete generation ending in `[DONE]`, or a prefix followed by exactly one terminal frame and
-   `[DONE]` (or a transport reset when the replica died abruptly) — never a repeated fragment;
+2. one complete generation ending in the API's clean end, or a prefix followed by exactly one terminal event
+   (or a transport reset when the replica died abruptly) — never a repeated fragment;
 3. `delivered_output_tokens` in the frame and the journal equal what the client got (after a reset or a
    client disconnect: at least what it read, at most what the replica wrote);
 4. no two attempts held a valid lease at once;
@@ -19,6 +19,15 @@ Against a gateway that is not router-sidecar (any other OpenAI-compatible one) t
 journal, or hold it to router-sidecar's own vocabulary (error codes, the terminal frame's fields, the
 request id in bodies and headers), are recorded as not applicable (`Check.ok is None`), never as failed:
 what any honest gateway owes its client is judged the same way for every gateway.
+
+Each request is read by its API's rules (`apis.py`): chat completions and completions end with `[DONE]` and
+their terminal event is one `{"error": …}` frame then `[DONE]`; the Responses API ends with
+`response.completed`/`response.incomplete`, its terminal event is a `response.failed` that continues the
+client's stream (its response id, the next sequence number) and its preamble comes once (one
+`response.created`, sequence numbers from 0 without a gap); the Messages API ends with `message_stop`, its
+terminal event is an `event: error` with one of Anthropic's error types, its preamble one `message_start`.
+Errors before any content are in each API's shape (OpenAI's `{"error": …}`, Anthropic's
+`{"type": "error", "error": {"type", "message"}}`). What the API itself requires is judged for every gateway.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from router_testbed.drill import apis
 from router_testbed.drill.evidence import DONE, Exchange, HookRun, StreamView, read_stream
 from router_testbed.oracle import INTERRUPTED, RAW_REPLICA_ERROR_MARKERS, attempt_times
 
@@ -133,10 +143,18 @@ def _ended(x: Exchange, view: StreamView | None = None) -> str:
     if not x.is_event_stream:
         return f"HTTP {x.status} {x.content_type or '(no content type)'} {_short(x.body, 160)}"
     view = view or read_stream(x)
+    spec = x.spec
     parts = [f"HTTP 200, {_plural(len(view.content), 'content event')}"]
     if view.frames:
-        parts.append(f"{_plural(len(view.frames), 'error frame')} {[f.get('code') for f in view.frames]}")
-    parts.append(f"{view.done_count}× [DONE]")
+        word = "error event" if spec.named_events else "error frame"
+        parts.append(f"{_plural(len(view.frames), word)} {[_code(f) for f in view.frames]}")
+    if spec.named_events:
+        ends = [apis.event_type(e.name, e.data) for e in view.events if e.kind == "done"]
+        parts.append(f"{view.done_count}× {'/'.join(sorted(set(ends))) or spec.end}")
+        if view.stray_done:
+            parts.append(f"{view.stray_done}× [DONE] (the API has none)")
+    else:
+        parts.append(f"{view.done_count}× [DONE]")
     if x.disconnected_at is not None:
         parts.append("then the client left")
     elif x.transport_error:
@@ -280,19 +298,44 @@ def check_leases(v: Verdict, x: Exchange) -> None:
 
 
 def check_stream_shape(v: Verdict, x: Exchange, view: StreamView) -> None:
-    """Invariants 1 and 2 on any SSE body: one attempt's events, whole JSON events, nothing after [DONE]."""
+    """Invariants 1 and 2 on any SSE body: one attempt's events, whole JSON events, nothing after the end;
+    on the named-event APIs, one preamble (one `response.created`/`message_start`, Responses' sequence
+    numbers 0, 1, 2, … without a gap or repeat) and every event named by its type."""
+    spec = x.spec
     ids = view.ids
-    v.check(
-        "client: every event comes from one completion (content from at most one attempt)",
-        len(ids) <= 1,
-        f"completion ids {sorted(ids)}" if ids else "no completion id",
-    )
-    v.check(
-        "client: every complete event is JSON or [DONE], nothing after [DONE]",
-        not view.unparseable and not view.events_after_done,
-        f"{len(view.unparseable)} unparseable, {len(view.events_after_done)} after [DONE]"
-        + (f", e.g. {_short(view.unparseable[0])}" if view.unparseable else ""),
-    )
+    if spec.named_events:
+        v.check(
+            "client: every event comes from one answer (one response id)"
+            if spec.sequenced
+            else "client: every event comes from one answer (one message id)",
+            len(ids) <= 1,
+            f"ids {sorted(ids)}" if ids else "no answer id",
+        )
+        v.check(
+            f"client: every complete event is JSON and named by its type; nothing after {spec.end} or "
+            f"{spec.terminal}; no [DONE] (the API has none)",
+            not view.unparseable
+            and not view.events_after_done
+            and not view.mislabelled
+            and not view.stray_done,
+            f"{len(view.unparseable)} unparseable, {len(view.events_after_done)} after the end, "
+            f"{view.stray_done}× [DONE]"
+            + (f", named not by their type: {view.mislabelled[:3]}" if view.mislabelled else "")
+            + (f", e.g. {_short(view.unparseable[0])}" if view.unparseable else ""),
+        )
+        check_preamble(v, view)
+    else:
+        v.check(
+            "client: every event comes from one completion (content from at most one attempt)",
+            len(ids) <= 1,
+            f"completion ids {sorted(ids)}" if ids else "no completion id",
+        )
+        v.check(
+            "client: every complete event is JSON or [DONE], nothing after [DONE]",
+            not view.unparseable and not view.events_after_done,
+            f"{len(view.unparseable)} unparseable, {len(view.events_after_done)} after [DONE]"
+            + (f", e.g. {_short(view.unparseable[0])}" if view.unparseable else ""),
+        )
     expected = x.expected_pieces
     if expected is None or not view.content:
         return
@@ -309,17 +352,58 @@ def check_stream_shape(v: Verdict, x: Exchange, view: StreamView) -> None:
     )
 
 
+def check_preamble(v: Verdict, view: StreamView) -> None:
+    """One opening of the answer, whoever served it: a retry's preamble replaces the failed attempt's, it is
+    never added to it (a second `response.created` with another id, sequence numbers starting over)."""
+    spec = view.spec
+    opened = view.preamble_count or 0
+    if spec.sequenced:
+        numbers = view.sequence_numbers
+        gapless = numbers == list(range(len(numbers)))
+        v.check(
+            "client: one preamble: exactly one response.created, sequence numbers 0, 1, 2, … without a gap "
+            "or repeat",
+            opened == 1 and gapless,
+            f"{_plural(opened, 'response.created')}; sequence numbers {_runs(numbers)}",
+        )
+    else:
+        v.check(
+            f"client: one preamble: exactly one {spec.preamble}",
+            opened == 1,
+            f"{_plural(opened, str(spec.preamble))}",
+        )
+
+
+def _runs(numbers: list[Any]) -> str:
+    """0..11, or where the numbers break: [0..5, 0..3]."""
+    if not numbers:
+        return "none"
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for n in numbers[1:]:
+        if isinstance(n, int) and isinstance(prev, int) and n == prev + 1:
+            prev = n
+            continue
+        parts.append(f"{start}..{prev}" if start != prev else f"{start}")
+        start = prev = n
+    parts.append(f"{start}..{prev}" if start != prev else f"{start}")
+    return parts[0] if len(parts) == 1 else f"[{', '.join(parts)}]"
+
+
 def check_complete(v: Verdict, x: Exchange, *, attempts: int) -> StreamView | None:
-    """One complete answer ending in [DONE], and a journal that says so with `attempts` attempts."""
+    """One complete answer ending in the API's clean end, and a journal that says so with `attempts`
+    attempts."""
     if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
         return None
     view = read_stream(x)
-    payloads = view.payloads
+    spec = x.spec
+    kinds = [e.kind for e in view.events if e.kind not in ("comment", "unparseable")]
     v.check(
-        "client: one complete answer: exactly one [DONE], last; no error frame; no reset",
+        f"client: one complete answer: exactly one {spec.end}, last; no error "
+        f"{'event' if spec.named_events else 'frame'}; no reset",
         view.done_count == 1
-        and bool(payloads)
-        and payloads[-1] == DONE
+        and bool(kinds)
+        and kinds[-1] == "done"
         and not view.frames
         and x.transport_error is None
         and not view.torn_tail,
@@ -364,36 +448,102 @@ def check_retried(v: Verdict, x: Exchange) -> None:
 
 
 def check_frame(v: Verdict, x: Exchange, view: StreamView) -> None:
-    """Exactly one terminal frame, the gateway's, then [DONE], counting what the client got."""
+    """Exactly one terminal event, the gateway's, last (chat: a frame then [DONE]), in the client's API,
+    counting what the client got."""
+    spec = x.spec
     frames = view.frames
-    v.check(
-        "client: exactly one terminal error frame, then [DONE], last",
-        len(frames) == 1 and view.ends_with_frame_then_done and view.done_count == 1,
-        _ended(x, view) + f"; last events {[_label(p) for p in view.payloads[-3:]]}",
-    )
+    last = [_label(e.data, e.name) for e in view.events if e.kind not in ("comment", "unparseable")][-3:]
+    if spec.named_events:
+        v.check(
+            f"client: exactly one terminal event ({spec.terminal}), last; no {spec.end}",
+            len(frames) == 1 and view.ends_with_frame_then_done,
+            _ended(x, view) + f"; last events {last}",
+        )
+    else:
+        v.check(
+            "client: exactly one terminal error frame, then [DONE], last",
+            len(frames) == 1 and view.ends_with_frame_then_done and view.done_count == 1,
+            _ended(x, view) + f"; last events {last}",
+        )
     if not frames:
         return
     frame = frames[-1]
+    if spec.sequenced:
+        check_failed_continues(v, view)
+    elif spec.anthropic:
+        kind = frame.get("type")
+        v.check(
+            "client: the error event has one of Anthropic's error types (its SDK raises by it)",
+            kind in apis.ANTHROPIC_ERROR_TYPES,
+            f"error.type {kind!r}",
+        )
     # Its fields are router-sidecar's documented frame (docs/errors.md); another gateway's is its own.
-    v.check_router_sidecar(
-        f"client: the frame says code={INTERRUPTED}, this request_id, partial_output=true, retryable=false",
+    what = {"responses": "the response.failed's error", "messages": "the error event"}.get(x.api, "the frame")
+    fields_ok = (
         frame.get("code") == INTERRUPTED
         and frame.get("request_id") == x.request_id
         and frame.get("partial_output") is True
-        and frame.get("retryable") is False,
+        and frame.get("retryable") is False
+    )
+    if spec.anthropic:
+        details = frame.get("details")
+        fields_ok = fields_ok and isinstance(details, dict) and details.get("error_code") == INTERRUPTED
+    v.check_router_sidecar(
+        f"client: {what} says code={INTERRUPTED}"
+        + (" (and details.error_code)" if spec.anthropic else "")
+        + ", this request_id, partial_output=true, retryable=false",
+        fields_ok,
         json.dumps(frame)[:300],
     )
     v.check_router_sidecar(
-        "client: the frame's delivered_output_tokens equals what the client got",
+        f"client: {what}'s delivered_output_tokens equals what the client got"
+        if spec.named_events
+        else "client: the frame's delivered_output_tokens equals what the client got",
         frame.get("delivered_output_tokens") == view.delivered_tokens,
         f"frame {frame.get('delivered_output_tokens')}, client {view.delivered_tokens} "
         f"({_plural(len(view.content), 'content event')}, usage {view.usage_tokens})",
     )
 
 
-def _label(payload: Any) -> str:
+def check_failed_continues(v: Verdict, view: StreamView) -> None:
+    """The Responses API's terminal event continues the stream the client holds: a `response.failed` names
+    the response of its `response.created` and takes the next sequence number (the numbering of the whole
+    stream is checked with the preamble)."""
+    event = view.frame_events[-1]
+    data = event.data if isinstance(event.data, dict) else {}
+    created = [e.data for e in view.named("response.created") if isinstance(e.data, dict)]
+    created_id = (created[0].get("response") or {}).get("id") if created else None
+    response = data.get("response") if isinstance(data.get("response"), dict) else None
+    earlier = view.events[: view.events.index(event)]
+    numbers = [e.data.get("sequence_number") for e in earlier if isinstance(e.data, dict)]
+    before = numbers[-1] if numbers else None
+    number = data.get("sequence_number")
+    same = response is None or response.get("id") == created_id
+    v.check(
+        "client: the terminal event continues the stream: the response id of response.created, the next "
+        "sequence number",
+        same and isinstance(number, int) and isinstance(before, int) and number == before + 1,
+        f"{apis.event_type(event.name, data)} of {response.get('id') if response else '(no response)'} "
+        f"(response.created: {created_id}), sequence_number {number} after {before}",
+    )
+
+
+def _code(error: dict[str, Any]) -> Any:
+    return error.get("code") if error.get("code") is not None else error.get("type")
+
+
+def _label(payload: Any, name: str | None = None) -> str:
     if payload == DONE:
         return DONE
+    if name or (isinstance(payload, dict) and isinstance(payload.get("type"), str)):
+        kind = apis.event_type(name, payload)
+        if kind in ("error", "response.failed") and isinstance(payload, dict):
+            error = payload.get("error")
+            if not isinstance(error, dict) and isinstance(payload.get("response"), dict):
+                error = payload["response"].get("error")
+            code = _code(error) if isinstance(error, dict) else payload.get("code")
+            return f"{kind}:{code}"
+        return kind
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         return f"error:{payload['error'].get('code')}"
     return "chunk"
@@ -432,8 +582,8 @@ def check_count_bounds(v: Verdict, x: Exchange, view: StreamView, why: str) -> N
 def check_interrupted(
     v: Verdict, x: Exchange, *, allow_reset: bool, content_before_fault: int | None = None
 ) -> StreamView | None:
-    """A prefix of one attempt, then one terminal frame and [DONE] (or, if allowed, a transport reset); the
-    journal says interrupted with the count the client got; no second attempt."""
+    """A prefix of one attempt, then one terminal event (chat: a frame and [DONE]; or, if allowed, a transport
+    reset); the journal says interrupted with the count the client got; no second attempt."""
     if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
         return None
     view = read_stream(x)
@@ -445,8 +595,12 @@ def check_interrupted(
     )
     reset = x.transport_error is not None and x.disconnected_at is None
     if reset and allow_reset:
+        spec = x.spec
         v.check(
-            "client: the stream was cut by a transport reset after the prefix: no [DONE], no frame",
+            f"client: the stream was cut by a transport reset after the prefix: no {spec.end}, no terminal "
+            "event"
+            if spec.named_events
+            else "client: the stream was cut by a transport reset after the prefix: no [DONE], no frame",
             view.done_count == 0 and not view.frames,
             _ended(x, view),
         )
@@ -495,6 +649,7 @@ def check_json_error(v: Verdict, x: Exchange, *, statuses: Iterable[int], code: 
         ),
         f"HTTP {x.status} {x.content_type or '(none)'} {_short(x.body)}",
     )
+    check_error_shape(v, x, prefix="client", gateways_own=True)
     check_names_request(v, x, error, prefix="client")
     v.check(
         "client: no SSE bytes of any attempt, no replica's raw error in the body",
@@ -521,6 +676,40 @@ def check_names_request(v: Verdict, x: Exchange, error: dict[str, Any] | None, *
             f"{prefix}: HTTP {x.status} came without the x-request-id header "
             f"({x.response_request_id or 'absent'}); its body names the request"
         )
+    if body_ok and x.spec.anthropic and x.headers.get("request-id") != x.request_id:
+        v.note(
+            f"{prefix}: HTTP {x.status} came without Anthropic's request-id header "
+            f"({x.headers.get('request-id') or 'absent'}); its body names the request"
+        )
+
+
+def check_error_shape(v: Verdict, x: Exchange, *, prefix: str, gateways_own: bool) -> None:
+    """An error before any content reaches a client of the Responses or Messages API in that API's shape
+    (OpenAI's `{"error": {"message", …}}`; Anthropic's `{"type": "error", "error": {"type", "message"}}`):
+    what its SDK parses. Judged for any gateway. The gateway's own Anthropic errors (router-sidecar's) carry
+    the type Anthropic's API gives that status. (Chat completions' errors are read as before: an `error`
+    object with a code or message.)"""
+    spec = x.spec
+    if not spec.named_events:
+        return
+    body = x.json_body()
+    wrong = spec.error_shape(body)
+    v.check(
+        f"{prefix}: the error body is in the {spec.title}'s shape ({spec.shape_name})",
+        wrong is None,
+        f"HTTP {x.status}: {wrong}: {_short(x.body)}" if wrong else f"HTTP {x.status} {_short(x.body, 120)}",
+    )
+    if not spec.anthropic or not gateways_own:
+        return
+    expected = apis.ANTHROPIC_TYPE_BY_STATUS.get(
+        x.status, "invalid_request_error" if x.status < 500 else "api_error"
+    )
+    error = x.json_error() or {}
+    v.check_router_sidecar(
+        f"{prefix}: error.type is Anthropic's type for HTTP {x.status} ({expected})",
+        error.get("type") == expected,
+        f"error.type {error.get('type')!r}",
+    )
 
 
 def check_nothing_served(v: Verdict, x: Exchange, *, prefix: str = "journal") -> None:
@@ -678,9 +867,16 @@ def judge_death_after_first_delta(v: Verdict, x: Exchange, ev: Evidence) -> None
 
 @_judge_of_main
 def judge_frame_after_first_delta(v: Verdict, x: Exchange, ev: Evidence) -> None:
-    """The upstream ends wrongly after the first delta (clean end without [DONE], an in-band error): the
-    prefix, then exactly one terminal frame and [DONE]; the replica's own error never reaches the client."""
-    check_interrupted(v, x, allow_reset=False, content_before_fault=ev.expect.get("content_before_fault"))
+    """The upstream ends wrongly after the first delta (a clean end without the API's end, an in-band error):
+    the prefix, then exactly one terminal event; the replica's own error never reaches the client. Where the
+    API's replica writes no error event but cuts its body (vLLM's Responses route), `expect["allow_reset"]`
+    says why a reset is then honest: the verdict is a replica death's."""
+    why_reset = ev.expect.get("allow_reset")
+    if why_reset and x.transport_error is not None and x.disconnected_at is None:
+        v.note(f"a reset, not a terminal event: {why_reset}")
+    check_interrupted(
+        v, x, allow_reset=bool(why_reset), content_before_fault=ev.expect.get("content_before_fault")
+    )
     check_replica_log(v, x, ev)
 
 
@@ -744,7 +940,7 @@ def judge_client_disconnect(v: Verdict, x: Exchange, ev: Evidence) -> None:
         return
     view = read_stream(x)
     v.check(
-        "client: it left mid-stream, after content and before [DONE]",
+        f"client: it left mid-stream, after content and before {x.spec.end}",
         x.disconnected_at is not None and len(view.content) >= 1 and view.done_count == 0,
         _ended(x, view),
     )
@@ -868,6 +1064,7 @@ def judge_duplicate_key(ev: Evidence) -> Verdict:
             b"data:" not in x.body,
             _short(x.body),
         )
+        check_error_shape(v, x, prefix=x.label, gateways_own=True)
     if first.has_record and view is not None:
         check_attempts(v, first, 1)
     if ev.sim and first.replica_records:
@@ -920,6 +1117,10 @@ def judge_malformed_input(ev: Evidence) -> Verdict:
             b"data:" not in x.body and not any(m in x.body for m in RAW_REPLICA_ERROR_MARKERS),
             _short(x.body),
         )
+        # The gateway's own refusals (its codes, or a body naming the request) carry its Anthropic type; a
+        # replica's own error passed through is judged on its shape only.
+        own = code is not None or (error is not None and error.get("request_id") is not None)
+        check_error_shape(v, x, prefix=x.label, gateways_own=own)
         # The gateway's own refusals name the request in the body. With static replicas the gateway does not
         # know the served models: an unknown model is the replica's own 4xx, passed through; it names the
         # request only in x-request-id. The scenario's promise (a clear 4xx JSON error, nothing served) holds;

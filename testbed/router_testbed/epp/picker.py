@@ -1,7 +1,8 @@
 """What the picker decides for one request, from its headers and the data plane's subset hint (no I/O).
 
 * ``test-epp-answer: 503`` or ``429`` (or ``--answer``): the picker answers itself, as the protocol lets an
-  endpoint picker do when no endpoint is ready (503) or the request is shed (429).
+  endpoint picker do when no endpoint is ready (503) or the request is shed (429); with
+  ``test-epp-retry-after: VALUE``, its answer carries ``Retry-After: VALUE``.
 * ``test-epp-endpoint-selection: A[,B...]``: the list is those endpoints, in the header's order, as GAIE's
   reference pickers honour the header for deterministic tests (an entry is ``IP:PORT``, or a bare ``IP``
   naming every known endpoint on that address; unknown entries are dropped, repeats kept once). None known:
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 SELECTION_HEADER = "test-epp-endpoint-selection"
 ANSWER_HEADER = "test-epp-answer"
+RETRY_AFTER_HEADER = "test-epp-retry-after"  # with its own answer: a `Retry-After` of this value
 ANSWERS = {503: "no ready endpoint", 429: "request shed"}
 
 

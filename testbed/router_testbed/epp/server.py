@@ -45,7 +45,14 @@ from router_sidecar.runtime.supervise import stop_on_signals
 from router_sidecar.wire import ext_proc_pb2 as ep
 from router_sidecar.wire import services
 from router_testbed.epp import wire
-from router_testbed.epp.picker import ANSWERS, Decision, Endpoint, Picker, parse_endpoint
+from router_testbed.epp.picker import (
+    ANSWERS,
+    RETRY_AFTER_HEADER,
+    Decision,
+    Endpoint,
+    Picker,
+    parse_endpoint,
+)
 from router_testbed.sim.log import RequestLog
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -159,7 +166,12 @@ class PickerStream:
         if self.decision.status is not None:
             status = self.decision.status
             error = {"message": ANSWERS[status], "type": "endpoint_picker", "code": status}
-            reply = m.immediate(status, json.dumps({"error": error}, separators=(",", ":")).encode())
+            retry_after = self.headers.get(RETRY_AFTER_HEADER, "").strip()
+            reply = m.immediate(
+                status,
+                json.dumps({"error": error}, separators=(",", ":")).encode(),
+                extra_headers=[("retry-after", retry_after)] if retry_after else (),
+            )
             reply.immediate_response.details = DETAILS
             return [reply]
         value = self.decision.value
