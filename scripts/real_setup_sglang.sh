@@ -53,7 +53,7 @@ huggingface_hub==1.33.0 idna==3.20 interegular==0.3.3 ipython==9.18.1 ipython_py
 jedi==0.20.1 Jinja2==3.1.6 jiter==0.19.0 jsonschema-specifications==2025.9.1 jsonschema==4.26.0
 llguidance==1.9.1 loguru==0.7.3 lxml==6.1.3 markdown-it-py==4.3.0 MarkupSafe==3.0.4
 matplotlib-inline==0.2.2 mdurl==0.1.2 mpmath==1.3.0 msgspec==0.23.0 multidict==7.2.1 networkx==3.6.1
-numpy==2.4.6 openai==2.8.0 opentelemetry-api==1.45.2 orjson==3.13.0 packaging==26.4 parso==0.8.7
+numpy==2.4.6 openai==2.8.0 openai-harmony==0.0.4 opentelemetry-api==1.45.2 orjson==3.13.0 packaging==26.4 parso==0.8.7
 partial-json-parser==0.2.1.1.post7 pexpect==4.9.0 pillow==13.0.0 prometheus_client==0.26.0
 prompt_toolkit==3.0.53 propcache==0.5.4 psutil==7.2.2 ptyprocess==0.7.0 pure_eval==0.2.4 pybase64==1.5.1
 pycparser==3.12 pycryptodomex==3.24.2 pydantic==2.14.4 pydantic_core==2.50.5 Pygments==2.21.0
@@ -82,6 +82,11 @@ pip=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$constraints")
   aiohttp partial_json_parser interegular python-multipart pybase64 xxhash einops packaging numpy scipy \
   pillow tqdm tiktoken safetensors jinja2 sympy networkx filelock fsspec typing_extensions watchfiles \
   regex distro IPython zstandard dill gguf jsonschema soundfile loguru 2> >(quiet)
+# The Responses API (/v1/responses): serving_responses.py imports openai_harmony at module level for every
+# model (only gpt-oss uses it); without it SGLang logs "OpenAI Responses API (/v1/responses) disabled:
+# OpenAIServingResponses init failed (ModuleNotFoundError: No module named 'openai_harmony')" and answers
+# every /v1/responses with 500. 0.0.4 is the version sglang 0.5.23 declares.
+"${pip[@]}" openai-harmony 2> >(quiet)
 # Imported unconditionally by sglang's model loader / transformers' image utilities; without their deps.
 "${pip[@]}" --no-deps torchvision compressed-tensors 2> >(quiet)
 
@@ -144,7 +149,7 @@ EOF
 
 # What the server imports must import (its CPU-support warnings are shown only if it does not).
 if ! out=$(PYTHONPATH=$STUB_DIR SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
-  'import torchvision, transformers, sglang.srt.entrypoints.http_server' 2>&1); then
+  'import torchvision, transformers, sglang.srt.entrypoints.http_server, openai_harmony' 2>&1); then
   echo "$out" >&2
   echo "real-setup (sglang): $VENV does not import; see above" >&2
   exit 1

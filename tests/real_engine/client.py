@@ -1,55 +1,103 @@
-"""The official `openai` SDK as the client, with the raw bytes it read kept aside for byte-level checks."""
+"""The official SDKs as the clients (`openai` for chat, completions and Responses; `anthropic` for Messages),
+with the raw bytes they read kept aside for byte-level checks."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
+import anthropic
 import httpx
+import httpx2
 import openai
 
 
-class TeeTransport(httpx.HTTPTransport):
-    """An httpx transport that records every response body byte the client reads."""
+def _tee_transport(http: ModuleType) -> type[Any]:
+    """An HTTP transport of the module `http` (httpx, or httpx2, which the anthropic SDK requires) that
+    records every response body byte the client reads."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.raw = bytearray()
-        self.headers: dict[str, str] = {}
-        self.status = 0
+    class Tee(http.HTTPTransport):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.raw = bytearray()
+            self.headers: dict[str, str] = {}
+            self.status = 0
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = super().handle_request(request)
-        self.status, self.headers = response.status_code, dict(response.headers)
-        tee = self
-        inner = response.stream
-        assert isinstance(inner, httpx.SyncByteStream)
+        def handle_request(self, request: Any) -> Any:
+            response = super().handle_request(request)
+            self.status, self.headers = response.status_code, dict(response.headers)
+            tee = self
+            inner = response.stream
+            assert isinstance(inner, http.SyncByteStream)
 
-        class _Stream(httpx.SyncByteStream):
-            def __iter__(self) -> Iterator[bytes]:
-                for chunk in inner:
-                    tee.raw += chunk
-                    yield chunk
+            class _Stream(http.SyncByteStream):  # type: ignore[name-defined,misc]
+                def __iter__(self) -> Iterator[bytes]:
+                    for chunk in inner:
+                        tee.raw += chunk
+                        yield chunk
 
-            def close(self) -> None:
-                inner.close()
+                def close(self) -> None:
+                    inner.close()
 
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_Stream(),
-            extensions=response.extensions,
-            request=request,
-        )
+            return http.Response(
+                response.status_code,
+                headers=response.headers,
+                stream=_Stream(),
+                extensions=response.extensions,
+                request=request,
+            )
+
+    Tee.__name__ = Tee.__qualname__ = f"TeeTransport[{http.__name__}]"
+    return Tee
 
 
-def sdk_client(base_url: str, *, read_timeout: float = 60.0) -> tuple[openai.OpenAI, TeeTransport]:
+TeeTransport = _tee_transport(httpx)
+TeeTransport2 = _tee_transport(httpx2)
+
+
+def sdk_client(base_url: str, *, read_timeout: float = 60.0) -> tuple[openai.OpenAI, Any]:
     tee = TeeTransport()
     http = httpx.Client(transport=tee, timeout=httpx.Timeout(read_timeout, connect=5.0))
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
     return client, tee
+
+
+def anthropic_client(base_url: str, *, read_timeout: float = 60.0) -> tuple[anthropic.Anthropic, Any]:
+    """The anthropic SDK (it takes an httpx2 client only). Its credential is the bearer token the openai
+    client sends (`auth_token`, `Authorization: Bearer unused`): the same tenant, so journal look-ups with the
+    tiers' AUTH find its requests."""
+    tee = TeeTransport2()
+    http = httpx2.Client(transport=tee, timeout=httpx2.Timeout(read_timeout, connect=5.0))
+    client = anthropic.Anthropic(base_url=base_url, auth_token="unused", max_retries=0, http_client=http)
+    return client, tee
+
+
+@dataclass(frozen=True)
+class Named:
+    """One complete SSE event of a named-event API (Responses, Messages) as the client received it."""
+
+    name: str  # its `event:` line ("" when it had none)
+    data: dict[str, Any]
+
+
+def named_events(raw: bytes) -> list[Named]:
+    """Every complete event of the raw body (a torn last event is left out: see Streamed.torn_tail)."""
+    text = raw.replace(b"\r\n", b"\n")
+    *blocks, _rest = text.split(b"\n\n")
+    out: list[Named] = []
+    for block in blocks:
+        name, data = "", []
+        for line in block.split(b"\n"):
+            if line.startswith(b"event:"):
+                name = line[6:].strip().decode()
+            elif line.startswith(b"data:"):
+                data.append(line[5:].lstrip())
+        if data:
+            out.append(Named(name, json.loads(b"\n".join(data))))
+    return out
 
 
 @dataclass

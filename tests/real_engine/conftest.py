@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from router_sidecar.runtime.supervise import start_etcd
-from router_testbed.real_engine import Installation, VllmReplica, find_installation, start_replicas
+from router_testbed.real_engine import Installation, VllmReplica, find_installation
 from tests.harness import Gateway
 from tests.real_engine.tier import gateway_to, installed, mark_tier, replica_pair, wait_restarted
 
@@ -44,11 +44,43 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         child.stop()
 
 
+class TierVllmReplica(VllmReplica):
+    """A VllmReplica whose next starts get `env_extra` on top of the launcher's environment (a module that
+    needs vLLM's Responses store sets VLLM_ENABLE_RESPONSES_API_STORE there); `started_with` is what the
+    running process got."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.env_extra: dict[str, str] = {}
+        self.started_with: dict[str, str] = {}
+
+    def env(self, tmp: Path) -> dict[str, str]:
+        self.started_with = dict(self.env_extra)
+        return {**super().env(tmp), **self.env_extra}
+
+
+def start_tier_replicas(
+    names: list[str], install: Installation, work: Path, *, timeout: float
+) -> dict[str, TierVllmReplica]:
+    """Start the replicas at once (they share the CPU while loading) and wait for all of them."""
+    pool = {name: TierVllmReplica(name, install, work) for name in names}
+    try:
+        for replica in pool.values():
+            replica.start(wait=False)
+        for replica in pool.values():
+            replica.wait_ready(timeout)
+    except BaseException:
+        for replica in pool.values():
+            replica.stop()
+        raise
+    return pool
+
+
 @pytest.fixture(scope="package")  # shared by the tier's modules: one start for all
 def replicas(
     install: Installation, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, VllmReplica]]:
-    with replica_pair("vLLM", start_replicas, install, tmp_path_factory, START_TIMEOUT) as pool:
+) -> Iterator[dict[str, TierVllmReplica]]:
+    with replica_pair("vLLM", start_tier_replicas, install, tmp_path_factory, START_TIMEOUT) as pool:
         yield pool
 
 

@@ -308,19 +308,28 @@ class Landed:
 
 
 def stream_until_routed_to(
-    victim: R, gateway: Gateway, replicas: dict[str, R], *, max_tokens: int, id_prefix: str, join: float
+    victim: R,
+    gateway: Gateway,
+    replicas: dict[str, R],
+    *,
+    max_tokens: int,
+    id_prefix: str,
+    join: float,
+    start: Callable[[dict[str, str]], Streamed] | None = None,
 ) -> Landed | None:
-    """Start chats in the background, one at a time, until one's first attempt goes to `victim` (round
-    robin: within two); those served elsewhere get `join` seconds to finish. None if four did not."""
+    """Start chats (or whatever `start(headers)` streams: the headers name the request) in the background, one
+    at a time, until one's first attempt goes to `victim` (round robin: within two); those served elsewhere
+    get `join` seconds to finish. None if four did not."""
+
+    def chat(headers: dict[str, str]) -> Streamed:
+        return stream_chat(
+            gateway.url, max_tokens=max_tokens, headers=headers, stream_options=CONTINUOUS_USAGE
+        )
+
     for _ in range(4):
         request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
         thread, box = in_background(
-            lambda rid=request_id: stream_chat(  # type: ignore[misc]
-                gateway.url,
-                max_tokens=max_tokens,
-                headers={"Idempotency-Key": rid},
-                stream_options=CONTINUOUS_USAGE,
-            )
+            lambda rid=request_id: (start or chat)({"Idempotency-Key": rid})  # type: ignore[misc]
         )
         first = poll(
             lambda rid=request_id: replica_of(gateway, rid, replicas),  # type: ignore[misc]
@@ -346,9 +355,10 @@ def stopped(pid: int) -> Iterator[None]:
 
 @dataclass
 class AtFirstDelta(Generic[R]):
-    """An `on_chunk` for stream_chat: at the stream's first content delta, once, `act` on the replica that
-    serves it (found in the journal), then let the client read on. The replica lands in `acted`, the time
-    after `act` in `acted_at`.
+    """An `on_chunk` for stream_chat (or an `on_event` of the Responses and Messages clients, with their
+    `is_content`): at the stream's first content delta, once, `act` on the replica that serves it (found in
+    the journal), then let the client read on. The replica lands in `acted`, the time after `act` in
+    `acted_at`.
 
     With `freeze`, every replica's process group is stopped first, so that no further token is generated
     while the serving one is looked up; after `act` the others go on, and the serving one too if
@@ -359,11 +369,12 @@ class AtFirstDelta(Generic[R]):
     act: Callable[[R], None]
     freeze: bool = False
     thaw_served: bool = False
+    is_content: Callable[[Any], bool] = chunk_has_content
     acted: list[R] = field(default_factory=list)
     acted_at: list[float] = field(default_factory=list)
 
     def __call__(self, chunk: Any, so_far: Streamed) -> bool:
-        if not self.acted and chunk_has_content(chunk):
+        if not self.acted and self.is_content(chunk):
             if self.freeze:
                 for replica in self.replicas.values():
                     replica.signal_group(signal.SIGSTOP)
@@ -424,3 +435,85 @@ def assert_prefix_then_reset_or_one_frame(
     else:  # a reset: what was in flight was delivered (written towards the client) but never read
         assert journal["delivered_output_tokens"] >= client_tokens, (journal, client_tokens)
     return journal, frames, client_tokens
+
+
+@dataclass
+class Together(Generic[R]):
+    """Streams started at once, each named by its Idempotency-Key (`streams[name].request_id`), to be frozen
+    together at their first content (freeze_at_first_content). `read[name]` is set once that client has read
+    a content event."""
+
+    gateway: Gateway
+    replicas: dict[str, R]
+    streams: dict[str, Landed]
+    read: dict[str, threading.Event]
+
+
+def start_together(
+    gateway: Gateway,
+    replicas: dict[str, R],
+    starts: dict[str, Callable[[dict[str, str], OnChunk], Streamed]],
+    is_content: dict[str, Callable[[Any], bool]],
+    *,
+    id_prefix: str,
+) -> Together[R]:
+    """Start every `starts[name](headers, on_event)` in the background at once."""
+    streams: dict[str, Landed] = {}
+    read: dict[str, threading.Event] = {}
+    for name, start in starts.items():
+        request_id = f"{id_prefix}-{name}-{uuid.uuid4().hex[:12]}"
+        seen = read[name] = threading.Event()
+        rule = is_content[name]
+
+        def on_event(chunk: Any, so_far: Streamed, seen: threading.Event = seen, rule: Any = rule) -> bool:
+            if rule(chunk):
+                seen.set()
+            return False
+
+        thread, box = in_background(
+            lambda start=start, rid=request_id, on_event=on_event: start(  # type: ignore[misc]
+                {"Idempotency-Key": rid}, on_event
+            )
+        )
+        streams[name] = Landed(request_id, thread, box)
+    return Together(gateway, replicas, streams, read)
+
+
+def freeze_at_first_content(together: Together[R], *, timeout: float = 30.0) -> dict[str, R]:
+    """Every replica frozen (SIGSTOP of its process group) as soon as the gateway has released the first
+    content of every stream (journal `first_delta_sent`, polled), so that no answer can be generated whole
+    before the fault lands however late a starved client reads; then until each client has read content (what
+    was released is in flight; 5 s at most). Returns the replica serving each stream; the caller acts on them
+    and thaws what it wants to go on."""
+
+    def released() -> dict[str, dict[str, Any]] | None:
+        journals = {n: journal_of(together.gateway, s.request_id) for n, s in together.streams.items()}
+        if all(j.get("first_delta_sent") for j in journals.values()):
+            return journals
+        ended = {n: s.box.get("r") for n, s in together.streams.items() if not s.thread.is_alive()}
+        if ended:
+            said = {n: (r.status, repr(r.error), r.raw[-300:]) for n, r in ended.items() if r is not None}
+            raise AssertionError(f"a stream ended before its first content was released: {said}")
+        return None
+
+    poll(released, timeout=timeout, what="the first content of every stream")
+    for replica in together.replicas.values():
+        replica.signal_group(signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    for seen in together.read.values():
+        seen.wait(max(0.0, deadline - time.monotonic()))
+    served = {
+        n: replica_of(together.gateway, s.request_id, together.replicas) for n, s in together.streams.items()
+    }
+    missing = [n for n, r in served.items() if r is None]
+    assert not missing, f"no serving replica in the journal for {missing}"
+    return served  # type: ignore[return-value]
+
+
+def results_of(together: Together[R], *, timeout: float = 90.0) -> dict[str, Streamed]:
+    """Every stream's result, once its client has finished (within `timeout` in all)."""
+    deadline = time.monotonic() + timeout
+    for name, stream in together.streams.items():
+        stream.thread.join(max(0.0, deadline - time.monotonic()))
+        assert not stream.thread.is_alive(), f"the {name} client never finished"
+    return {name: stream.box["r"] for name, stream in together.streams.items()}
