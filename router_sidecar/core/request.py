@@ -820,6 +820,19 @@ class LogicalRequest:
                     ttl = w.lease_ttl.get(unfenced.attempt_id) or 0
                     decisions.append(AwaitFence(unfenced.attempt_id, ttl + FENCE_WAIT_SLACK_SECONDS))
                 break
+            destinations = self.destinations
+            if (
+                destinations is not None
+                and destinations.source == HOLDER
+                and arrival.replica not in destinations.order
+            ):
+                # Envoy's fallback, once the holder's connection failed: any other replica would answer from
+                # nothing (a 404 for the response it continues).
+                w.arrivals.pop(0)
+                why = "could not be reached (its connection failed before the request was sent)"
+                refusal = holder_unavailable(self.parsed.previous_response_id, destinations.order[0], why)
+                decisions.append(RefuseAttempt(arrival.attempt_id, self._end_with(refusal)))
+                continue
             if self.counted >= self.max_attempts:
                 w.arrivals.pop(0)
                 decisions.append(RefuseAttempt(arrival.attempt_id, self._end_with(self._exhausted(previous))))

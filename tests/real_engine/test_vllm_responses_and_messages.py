@@ -350,7 +350,7 @@ def test_with_the_holder_killed_a_follow_up_is_told_so_not_given_a_404(
         return None
 
     # Until the gateway's probe has found the holder lost (2 failed probes, 1 s apart), a follow-up still
-    # goes to it, and fails there; after, it is refused before any attempt.
+    # goes to it and fails at its connection ("could not be reached"); after, it is refused before any attempt.
     error = poll(follow_up, timeout=20, what="a follow-up refused as stored_response_unavailable")
     assert response_id in error["message"] and holder.endpoint in error["message"], error
     refused = poll(
@@ -373,14 +373,6 @@ HOLDER_KILLED: dict[
 ] = {}  # what the holder test saw: its first follow-up (seconds after the kill, ...)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap: until the gateway's probe has found a killed holder lost (1.0-1.5 s measured), "
-    "a follow-up pinned to it dies at its connection (Envoy: 4 attempts, UF,URX, connection refused) and "
-    "is answered 503 no_replica_available 'no replica could be reached ...' with retryable: true, naming "
-    "neither the stored response nor its holder; docs/design.md#stored-responses promises 503 "
-    "stored_response_unavailable for a holder that is lost",
-)
 def test_the_first_follow_up_after_the_holder_died_is_already_told_where_its_response_is() -> None:
     if not HOLDER_KILLED:
         pytest.skip("the holder test did not run to its end")

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from router_sidecar.core.attempt import FailRequest, ResponseHeaders, StreamReset, TriggerRetry
-from router_sidecar.core.destinations import Candidate, Ranking, choose
+from router_sidecar.core.destinations import HOLDER, Candidate, Destinations, Ranking, choose
 from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.openai_api import RouteKind, parse_request, prompt_blocks
 from router_sidecar.core.placement import Ejection, Ejections, Placement, PrefixIndex, retry_after_seconds
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
-from router_sidecar.core.request import Admitted, LogicalRequest
+from router_sidecar.core.request import Admitted, AttemptArrived, LogicalRequest, RefuseAttempt
 from tests.unit.test_request import SSE, begin, fa, failed, parsed, settle_claim
 
 BLOCK = 32
@@ -322,3 +322,20 @@ def test_the_machine_records_where_prompts_went_and_who_refused() -> None:
 
 def book_clock(book: Placement) -> float:
     return book._clock()
+
+
+def test_a_request_on_a_stored_response_never_goes_past_its_holder() -> None:
+    """Envoy's fallback, once the holder's connection failed, would send it to a replica that answers 404:
+    the machine refuses that attempt with the error that names the response and its holder."""
+    body = {"model": "m", "input": "hi", "stream": True, "previous_response_id": "resp_1"}
+    parsed_request = parse_request(RouteKind.RESPONSES, json.dumps(body).encode(), max_body_bytes=1 << 20)
+    request = LogicalRequest(request_id="r", tenant="t", parsed=parsed_request, policy=DEFAULT_POLICY)
+    request.handle(Admitted(Destinations(("holder:1",), HOLDER)))
+    settle_claim(request)
+    decisions = request.handle(AttemptArrived("att-1", "other:1", envoy_attempt=2))
+    (refusal,) = [d for d in decisions if isinstance(d, RefuseAttempt)]
+    error = refusal.error
+    assert isinstance(error, FailRequest)
+    assert (error.status, error.code) == (503, Outcome.STORED_RESPONSE_UNAVAILABLE)
+    assert "resp_1 is stored on replica holder:1, which could not be reached" in error.message
+    assert request.is_terminal and [a.state.value for a in request.attempts] == ["never_sent"]
