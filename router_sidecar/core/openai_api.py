@@ -200,14 +200,19 @@ def prompt_blocks(
     """Chained hashes of the prompt's whole `block_bytes` blocks (its first `max_blocks`). The text is the
     model and the prompt's parts, each list item on a line of its own, so a conversation that grows by turns
     keeps its earlier blocks; a trailing part-block is left out (it changes as the prompt grows)."""
-    parts: list[bytes] = [str(request.get("model", "")).encode()]
+    wanted = block_bytes * max_blocks  # what is hashed at most: the rest of a long prompt is not serialized
+    parts: list[bytes] = [_canonical(request.get("model", ""))]
+    size = len(parts[0])
     for key in _PROMPT_KEYS.get(route, ()):
         value = request.get(key)
-        if value is None:
+        if value is None or size >= wanted:
             continue
-        items = value if isinstance(value, list) and key != "prompt" else [value]
         parts.append(key.encode())
-        parts += [_canonical(item) for item in items]
+        for item in value if isinstance(value, list) and key != "prompt" else [value]:
+            parts.append(_canonical(item))
+            size += len(parts[-1]) + 1
+            if size >= wanted:
+                break
     text = b"\n".join(parts)
     count = min(len(text) // block_bytes, max_blocks)
     blocks: list[int] = []
@@ -222,9 +227,11 @@ def prompt_blocks(
 
 
 def _canonical(value: Any) -> bytes:
+    # surrogatepass: JSON may carry a lone surrogate escape ("\ud800"), which strict UTF-8 cannot encode.
     if isinstance(value, str):
-        return value.encode()
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return value.encode("utf-8", "surrogatepass")
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "surrogatepass")
 
 
 # A model name is copied into the journal record (twice) and the telemetry: bounded, so that no request can

@@ -339,3 +339,16 @@ def test_a_request_on_a_stored_response_never_goes_past_its_holder() -> None:
     assert (error.status, error.code) == (503, Outcome.STORED_RESPONSE_UNAVAILABLE)
     assert "resp_1 is stored on replica holder:1, which could not be reached" in error.message
     assert request.is_terminal and [a.state.value for a in request.attempts] == ["never_sent"]
+
+
+def test_a_lone_surrogate_in_the_prompt_is_hashed_not_refused() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800' + b"x" * 600 + b'"}]}'
+    assert len(parse_request(RouteKind.CHAT, body, max_body_bytes=1 << 20).prefix_blocks) == 2
+
+
+def test_only_what_is_hashed_is_serialized() -> None:
+    turns = ["t" * 100] * 1000  # ~100 KB of messages; 4 blocks of 32 bytes are wanted
+    assert len(blocks("chat.completions", chat(*turns), max_blocks=4)) == 4
+    assert blocks("chat.completions", chat(*turns), max_blocks=4) == blocks(
+        "chat.completions", chat(*turns[:2]), max_blocks=4
+    )
