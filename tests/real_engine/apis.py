@@ -75,13 +75,7 @@ def stream_responses(
             extra_body=body,
         )
         result.status, result.headers = tee.status, tee.headers
-        try:
-            for event in stream:
-                result.chunks.append(event)
-                if on_event is not None and on_event(event, result):
-                    break
-        finally:
-            stream.close()
+        result.read(stream, on_event)
     except Exception as exc:  # a reset, an HTTP error: recorded, asserted on by the test
         result.error = exc
     finally:
@@ -114,13 +108,7 @@ def stream_messages(
             extra_body=body,
         )
         result.status, result.headers = tee.status, tee.headers
-        try:
-            for event in stream:
-                result.chunks.append(event)
-                if on_event is not None and on_event(event, result):
-                    break
-        finally:
-            stream.close()
+        result.read(stream, on_event)
     except Exception as exc:
         result.error = exc
     finally:

@@ -4,7 +4,7 @@ with the raw bytes they read kept aside for byte-level checks."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -113,6 +113,16 @@ class Streamed:
     @property
     def request_id(self) -> str:
         return self.headers.get("x-request-id", "")
+
+    def read(self, stream: Any, on_event: Callable[[Any, Streamed], bool] | None) -> None:
+        """Every object the SDK's `stream` yields, until `on_event` says stop; the stream closed after."""
+        try:
+            for event in stream:
+                self.chunks.append(event)
+                if on_event is not None and on_event(event, self):
+                    break
+        finally:
+            stream.close()
 
     def payloads(self) -> list[Any]:
         """Every complete SSE event's data from the raw bytes: parsed JSON or the string ``[DONE]``."""

@@ -350,7 +350,8 @@ def test_with_the_holder_killed_a_follow_up_is_told_so_not_given_a_404(
         return None
 
     # Until the gateway's probe has found the holder lost (2 failed probes, 1 s apart), a follow-up still
-    # goes to it and fails at its connection ("could not be reached"); after, it is refused before any attempt.
+    # goes to it and fails at its connection ("could not be reached"); after, it is refused before any
+    # attempt.
     error = poll(follow_up, timeout=20, what="a follow-up refused as stored_response_unavailable")
     assert response_id in error["message"] and holder.endpoint in error["message"], error
     refused = poll(

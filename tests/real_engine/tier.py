@@ -134,13 +134,7 @@ def stream_chat(
             **extra,
         )
         result.status, result.headers = tee.status, tee.headers
-        try:
-            for chunk in stream:
-                result.chunks.append(chunk)
-                if on_chunk is not None and on_chunk(chunk, result):
-                    break
-        finally:
-            stream.close()
+        result.read(stream, on_chunk)
     except Exception as exc:  # a reset or a terminal frame: recorded, asserted on by the test
         result.error = exc
     finally:
