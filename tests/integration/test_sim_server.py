@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from email.utils import parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -352,6 +354,33 @@ def test_status503_then_connection_is_reused(sim: SimProcess) -> None:
         assert second.status_code == 200
     assert end_record(sim, r1)["outcome"] == "fault:status503"
     assert end_record(sim, r1)["conn"] == end_record(sim, r2)["conn"]
+
+
+def test_status_faults_send_the_retry_after_they_are_given(sim: SimProcess) -> None:
+    specs = {
+        "status429@headers retry_after=2": (429, "2"),
+        "status503@headers retry_after=0": (503, "0"),
+        "status429@headers": (429, None),
+    }
+    with httpx.Client(base_url=sim.url, timeout=IO_TIMEOUT) as client:
+        for spec, (status, retry_after) in specs.items():
+            r = rid()
+            answer = client.post(CHAT, json=chat_body(), headers={"x-sim-fault": spec, "x-request-id": r})
+            assert (answer.status_code, answer.headers.get("retry-after")) == (status, retry_after)
+            assert answer.json()["error"]["code"] == status
+            assert end_record(sim, r).get("retry_after") == retry_after  # the replica's log says it too
+        r = rid()
+        before = time.time()
+        answer = client.post(
+            CHAT,
+            json=chat_body(),
+            headers={"x-sim-fault": "status503@headers retry_after=date:3", "x-request-id": r},
+        )
+        after = time.time()
+    assert answer.status_code == 503
+    when = parsedate_to_datetime(answer.headers["retry-after"]).timestamp()
+    assert before + 3 <= when <= math.ceil(after) + 3
+    assert end_record(sim, r)["retry_after"] == answer.headers["retry-after"]
 
 
 def test_delay_slows_but_completes(sim: SimProcess) -> None:

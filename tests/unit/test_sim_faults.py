@@ -15,6 +15,7 @@ from router_testbed.sim.faults import (
     FaultPlan,
     FaultSpecError,
     Point,
+    RetryAfter,
     after_point,
     parse_attempt,
     parse_clause,
@@ -85,6 +86,12 @@ def test_multiple_clauses_and_blank() -> None:
         ("oversize@token:1 bytes=99999999999", "bytes="),
         ("reset@token:1 bytes=10", "only valid with oversize"),
         ("close@terminl", "terminal"),
+        ("reset@role retry_after=1", "only valid with status503 or status429"),
+        ("status429@headers retry_after=-1", "whole seconds"),
+        ("status429@headers retry_after=1.5", "whole seconds"),
+        ("status503@headers retry_after=date:", "whole seconds"),
+        ("status503@headers retry_after=99999999", "whole seconds"),
+        ("status429@headers retry_after=1 retry_after=2", "given twice"),
     ],
 )
 def test_errors_name_the_clause(spec: str, fragment: str) -> None:
@@ -158,3 +165,19 @@ def test_oversize_sizes_and_the_plan_knows_them_in_advance() -> None:
 def test_finish_actions_parse_at_any_point(spec: str) -> None:
     # abort/stop take effect at the next content boundary; the fuzz suite draws them anywhere
     assert parse_clause(spec).action in ("abort", "stop")
+
+
+def test_status_faults_take_a_retry_after() -> None:
+    (seconds, date, none) = parse_fault_spec(
+        "status429@headers retry_after=2; status503@headers retry_after=date:3 attempt=1; status503@headers"
+    )
+    assert (seconds.retry_after, date.retry_after, none.retry_after) == (
+        RetryAfter(2),
+        RetryAfter(3, http_date=True),
+        None,
+    )
+    assert date.attempts == frozenset({1})
+    assert seconds.retry_after is not None and seconds.retry_after.header_value(1e9) == "2"
+    # 2001-09-09T01:46:40Z, rounded up to the second, plus 3 s.
+    assert date.retry_after is not None
+    assert date.retry_after.header_value(1e9 + 0.25) == "Sun, 09 Sep 2001 01:46:44 GMT"

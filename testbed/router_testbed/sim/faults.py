@@ -7,13 +7,17 @@ Pure: no I/O. Grammar (one or more ``;``-separated clauses)::
     ACTION   := exit | reset | stall | close | error | abort | stop | status503 | status429 | oversize | delay
     POINT    := tool | headers | role | token:N | after:N | done | terminal   (N >= 1)
     MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS | bytes=N
+              | retry_after=SECONDS | retry_after=date:SECONDS
 
 ``for`` is only accepted on ``stall`` (optional: stall that long, then continue) and ``delay``
-(required). ``status503`` and ``status429`` are only accepted at ``@headers``, ``oversize`` only at
-``@token:N`` (``bytes=`` is its size, default :data:`DEFAULT_OVERSIZE_BYTES`). ``abort`` and ``stop`` take
-effect at the next content event boundary (``abort@after:2`` ends with event 3). Anything else is a
-:class:`FaultSpecError` naming the bad clause, so that a typo in a test fails loudly instead of silently
-running clean.
+(required). ``status503`` and ``status429`` are only accepted at ``@headers``, and only they take
+``retry_after``: their reply then carries a ``Retry-After`` header, ``retry_after=2`` as delta-seconds
+(``Retry-After: 2``; whole seconds >= 0), ``retry_after=date:2`` as the HTTP-date that many seconds after the
+reply, rounded up to the whole second (``Retry-After: Fri, 04 Dec 2026 21:08:30 GMT``); without it no
+``Retry-After`` is sent. ``oversize`` only at ``@token:N`` (``bytes=`` is its size, default
+:data:`DEFAULT_OVERSIZE_BYTES`). ``abort`` and ``stop`` take effect at the next content event boundary
+(``abort@after:2`` ends with event 3). Anything else is a :class:`FaultSpecError` naming the bad clause, so
+that a typo in a test fails loudly instead of silently running clean.
 
 The same names work on every API the simulator serves (chat completions, completions, the Responses API,
 the Messages API); what each does there is :mod:`router_testbed.sim.server`'s and ``docs/simulator.md``'s
@@ -36,6 +40,7 @@ Points, in the order a request passes them:
 
 from __future__ import annotations
 
+import email.utils
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -69,6 +74,8 @@ HEADER = "x-sim-fault"
 # oversize's default size: above the gateway's default limits.max_event_bytes (1 MiB).
 DEFAULT_OVERSIZE_BYTES = 2 * 1024 * 1024
 MAX_OVERSIZE_BYTES = 64 * 1024 * 1024
+MAX_RETRY_AFTER_SECONDS = 86400
+_MODIFIERS = ("attempt", "replica", "for", "bytes", "retry_after")
 
 
 class FaultSpecError(ValueError):
@@ -107,6 +114,21 @@ def after_point(n: int) -> Point:
 
 
 @dataclass(frozen=True)
+class RetryAfter:
+    """A status fault's ``Retry-After``: ``seconds`` from the reply, sent as delta-seconds or, with
+    ``http_date``, as the HTTP-date that many seconds after the reply."""
+
+    seconds: int
+    http_date: bool = False
+
+    def header_value(self, now: float) -> str:
+        """The header's value for a reply written at ``now`` (epoch seconds)."""
+        if not self.http_date:
+            return str(self.seconds)
+        return email.utils.formatdate(math.ceil(now) + self.seconds, usegmt=True)
+
+
+@dataclass(frozen=True)
 class Clause:
     action: Action
     point: Point
@@ -115,6 +137,7 @@ class Clause:
     duration: float | None = None
     size: int | None = None  # oversize: bytes of the event's text
     raw: str = field(default="", compare=False)
+    retry_after: RetryAfter | None = None  # status503/status429: the reply's Retry-After
 
     def label(self) -> str:
         return f"{self.action}@{self.point}"
@@ -173,6 +196,17 @@ def _parse_size(value: str, clause: str) -> int:
     return int(value)
 
 
+def _parse_retry_after(value: str, clause: str) -> RetryAfter:
+    seconds = value.removeprefix("date:")
+    if not seconds.isdigit() or int(seconds) > MAX_RETRY_AFTER_SECONDS:
+        raise FaultSpecError(
+            clause,
+            f"retry_after={value!r} must be whole seconds from 0 to {MAX_RETRY_AFTER_SECONDS}, "
+            "or date:SECONDS",
+        )
+    return RetryAfter(int(seconds), http_date=value.startswith("date:"))
+
+
 def parse_clause(text: str) -> Clause:
     """Parse one clause, e.g. ``"reset@token:3 attempt=1 replica=r1"``."""
     clause = text.strip()
@@ -188,6 +222,7 @@ def parse_clause(text: str) -> Clause:
     replicas: frozenset[str] | None = None
     duration: float | None = None
     size: int | None = None
+    retry_after: RetryAfter | None = None
     for mod in mods:
         key, eq, value = mod.partition("=")
         if not eq or not value:
@@ -200,11 +235,13 @@ def parse_clause(text: str) -> Clause:
             duration = _parse_seconds(value, clause)
         elif key == "bytes" and size is None:
             size = _parse_size(value, clause)
-        elif key in ("attempt", "replica", "for", "bytes"):
+        elif key == "retry_after" and retry_after is None:
+            retry_after = _parse_retry_after(value, clause)
+        elif key in _MODIFIERS:
             raise FaultSpecError(clause, f"modifier {key!r} given twice")
         else:
             raise FaultSpecError(
-                clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=, bytes=)"
+                clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=, bytes=, retry_after=)"
             )
     if duration is not None and action not in ("stall", "delay"):
         raise FaultSpecError(clause, "for= is only valid with stall or delay")
@@ -214,6 +251,8 @@ def parse_clause(text: str) -> Clause:
         raise FaultSpecError(clause, f"{action} is only valid at @headers")
     if size is not None and action != "oversize":
         raise FaultSpecError(clause, "bytes= is only valid with oversize")
+    if retry_after is not None and action not in _STATUS_ACTIONS:
+        raise FaultSpecError(clause, "retry_after= is only valid with status503 or status429")
     if action == "oversize":
         if point.kind != "token":
             raise FaultSpecError(
@@ -228,6 +267,7 @@ def parse_clause(text: str) -> Clause:
         duration=duration,
         size=size,
         raw=clause,
+        retry_after=retry_after,
     )
 
 

@@ -314,12 +314,14 @@ def json_response(
     content_type: str | None = "application/json",
     close: bool = False,
     vary: bool = True,
+    extra_headers: Sequence[tuple[str, str]] = (),
 ) -> bytes:
     headers = [("content-length", str(len(body)))]
     if content_type is not None:
         headers.append(("content-type", content_type))
     if vary:
         headers.append(("vary", "Origin"))
+    headers.extend(extra_headers)
     headers.append(("x-sim-replica", replica))
     if close:
         headers.append(("connection", "close"))
@@ -456,9 +458,11 @@ class Exchange:
         if not await self.conn.send(data):
             self._client_gone()
 
-    async def send_reply(self, status: int, body: bytes) -> None:
+    async def send_reply(
+        self, status: int, body: bytes, extra_headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
         self.status = status
-        await self.send_raw(json_response(status, body, self.sim.config.name))
+        await self.send_raw(json_response(status, body, self.sim.config.name, extra_headers=extra_headers))
 
     async def send_event(self, event: bytes, *, content: bool) -> None:
         if self.entry is not None and self.entry.events is not None:
@@ -529,7 +533,11 @@ class Exchange:
             await self._fail()
         if action in ("status503", "status429"):
             which = "unavailable" if action == "status503" else "too_many"
-            await self.send_reply(*self.sim.dialect.api_error(self.kind, which))
+            extra = []
+            if clause.retry_after is not None:
+                extra.append(("retry-after", clause.retry_after.header_value(time.time())))
+                self.record["retry_after"] = extra[0][1]
+            await self.send_reply(*self.sim.dialect.api_error(self.kind, which), extra_headers=extra)
             raise _End(self.request.keep_alive)
         raise AssertionError(f"unhandled fault action {action}")  # pragma: no cover
 
