@@ -52,7 +52,8 @@ class Candidate:
     address: str
     digest: str | None = None  # its compatibility fingerprint (None: a static replica, compatible with all)
     why_not: str = ""  # why no new attempt may go to it now (draining, failing its health checks); "": it may
-    ejected_for: float | None = None  # seconds left of the overload it announced (why_not says so)
+    ejected_for: float | None = None  # seconds left of its ejection (why_not says why)
+    ejected_by: str = ""  # "overload" (it announced one) or "breaker" (its circuit is open)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +76,10 @@ class Destinations:
     prefix_blocks: int = 0  # the prompt's blocks (core/placement.py)
     # (address, warm blocks, requests in flight) of the entries the gateway ranked, in the order's order
     ranked: tuple[tuple[str, int, int], ...] = ()
-    # Every usable compatible replica announced an overload: the shortest time left (no attempt is made).
+    # Every usable compatible replica is ejected: the shortest time left (no attempt is made), and by what
+    # ("overload": it announced one; "breaker": its circuit is open).
     overloaded_for: float | None = None
+    ejected_by: str = ""
 
     def why(self, address: str) -> str:
         """Why an attempt that went to `address` went there."""
@@ -155,14 +158,15 @@ def choose(
     gateway = head + rest
     source = PICKER_THEN_GATEWAY if from_picker and gateway else PICKER if from_picker else GATEWAY
     order = tuple(from_picker + gateway)
-    overloaded_for = None
+    overloaded_for, ejected_by = None, ""
     if not order:
         ejected = [
-            c.ejected_for
+            (c.ejected_for, c.ejected_by)
             for c in candidates
             if c.ejected_for is not None and (pinned is None or c.digest in (None, pinned))
         ]
-        overloaded_for = min(ejected) if ejected else None
+        if ejected:
+            overloaded_for, ejected_by = min(ejected)
     return Destinations(
         order,
         source,
@@ -172,6 +176,7 @@ def choose(
         prefix_blocks=ranking.blocks,
         ranked=ranked if ranking.blocks else (),
         overloaded_for=overloaded_for,
+        ejected_by=ejected_by,
     )
 
 

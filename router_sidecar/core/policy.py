@@ -273,6 +273,28 @@ class Placement:
             hi=600,
         ),
     )
+    # A circuit breaker per replica: off by default, so that without it the gateway behaves as it always did.
+    breaker_failures: int = field(
+        default=0,
+        metadata=_key(
+            "attempts on one replica that fail before content in a row to open its circuit (0: no breaker)",
+            lo=0,
+            hi=1000,
+        ),
+    )
+    breaker_open_seconds: float = field(
+        default=2.0,
+        metadata=_key(
+            "an open circuit keeps its replica out of every order this long, doubled each time it opens "
+            "again without a success between",
+            lo=0.1,
+            hi=600,
+        ),
+    )
+    breaker_max_open_seconds: float = field(
+        default=30.0,
+        metadata=_key("the longest an open circuit keeps its replica out", lo=0.1, hi=3600),
+    )
 
 
 @dataclass(frozen=True, slots=True)

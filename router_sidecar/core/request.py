@@ -951,6 +951,8 @@ class LogicalRequest:
                 elif self.claim is not ClaimState.REFUSED:  # nothing of a refused run is released
                     out.append(WriteAheadJournal(attempt.attempt_id))
             elif isinstance(d, a.Release):
+                if self.placement is not None:
+                    self.placement.succeeded(attempt.replica)
                 out.append(ReleaseAttempt(attempt.attempt_id, d.held_chunks))
                 if attempt.first_delta:
                     out.append(WatchPublisher(attempt.attempt_id))
@@ -973,8 +975,11 @@ class LogicalRequest:
 
     def _verdict(self, attempt: Attempt, failed: a.Failed) -> list[Decision]:
         """The fate of a failed attempt: another attempt, or one error for the client."""
-        if self.placement is not None and attempt.status is not None:
-            self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
+        if self.placement is not None:
+            if attempt.status is not None:
+                self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
+            if self.phase is Phase.PREFILL and failed.reason is not a.FailureReason.LEASE_LOST:
+                self.placement.failed_before_content(attempt.replica)  # (a lost lease is etcd's failure)
         verdict: TriggerRetry | FailRequest
         if self.final is not None:
             verdict = self.final

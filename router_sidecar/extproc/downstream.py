@@ -30,6 +30,7 @@ from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, h
 from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.events import Outcome
 from router_sidecar.core.openai_api import RequestRejected
+from router_sidecar.core.placement import BREAKER
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
@@ -259,8 +260,20 @@ class Inference(PassThrough):
             candidates, pinned=request.fingerprint_digest, picker=self._picker, turn=turn, ranking=ranking
         )
         if destinations.overloaded_for is not None:
-            # Every replica it could go to said it is overloaded, for a while yet: no attempt is made.
+            # Every replica it could go to is ejected, for a while yet: no attempt is made.
             retry_after = max(1, math.ceil(destinations.overloaded_for))
+            headers = (("retry-after", str(retry_after)), (views.ATTEMPTS_HEADER, "0"))
+            if destinations.ejected_by == BREAKER:
+                return _error(
+                    503,
+                    Outcome.NO_REPLICA_AVAILABLE.value,
+                    f"every replica that serves model {parsed.model!r} failed before content too often in a "
+                    f"row (its circuit is open, placement.breaker_failures); the first is tried again in "
+                    f"{retry_after} s",
+                    request_id,
+                    shape=self._shape,
+                    headers=headers,
+                )
             return _error(
                 429,
                 Outcome.REPLICAS_OVERLOADED.value,
@@ -268,7 +281,7 @@ class Inference(PassThrough):
                 f"(overloaded); the first is back in {retry_after} s: try again then",
                 request_id,
                 shape=self._shape,
-                headers=(("retry-after", str(retry_after)), (views.ATTEMPTS_HEADER, "0")),
+                headers=headers,
             )
         return destinations
 
