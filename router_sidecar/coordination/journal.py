@@ -38,9 +38,10 @@ from router_sidecar.coordination.store import (
     StoreUnavailable,
     keys,
 )
+from router_sidecar.core.destinations import Destinations
 from router_sidecar.core.events import Event, EventName
 from router_sidecar.core.request import TERMINAL_PHASES, LogicalRequest, Phase
-from router_sidecar.core.views import journal_event, journal_record, rejected_record
+from router_sidecar.core.views import destinations_record, journal_event, journal_record, rejected_record
 from router_sidecar.records import codec
 
 if TYPE_CHECKING:
@@ -274,6 +275,8 @@ class Journal:
         status: int,
         reason: str,
         details: str | None = None,
+        phase: Phase = Phase.REJECTED,
+        destinations: Destinations | None = None,
     ) -> bool:
         """Journal a request that another filter answered before any stream of ours saw it (behind an
         endpoint picker: its own 503 or 429, or the picker unreachable), from Envoy's access log: one terminal
@@ -285,7 +288,9 @@ class Journal:
         if details:
             detail["details"] = details
         event = Event(EventName.REQUEST_REJECTED, detail=detail)
-        message = rejected_record(request_id, route=route, outcome=outcome)
+        message = rejected_record(request_id, route=route, outcome=outcome, phase=phase)
+        if destinations is not None:  # where it could not go, and why
+            message.destinations.CopyFrom(destinations_record(destinations))
         message.gateway = self._gateway_id
         if self.instance is not None:
             message.owner = self.instance

@@ -192,13 +192,15 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
     )
 
 
-def rejected_record(request_id: str, *, route: str, outcome: str) -> rec.JournalRecord:
+def rejected_record(
+    request_id: str, *, route: str, outcome: str, phase: Phase = Phase.REJECTED
+) -> rec.JournalRecord:
     """The journal record of a request that no stream of ours saw, answered before it by another filter (an
     endpoint picker's own 503 or 429, or the picker unreachable): rejected, no attempt, nothing delivered, its
     input unread (only its route is known). The journal adds the rest as for every record."""
     return rec.JournalRecord(
         request_id=request_id,
-        phase=Phase.REJECTED.value,
+        phase=phase.value,
         outcome=outcome,
         attempt=0,
         first_delta_sent=False,

@@ -76,11 +76,19 @@ def _error(
     *,
     shape: ErrorShape = ErrorShape.OPENAI,
     headers: tuple[tuple[str, str], ...] = (),
+    attempts: bool = True,
     **extra: object,
 ) -> m.ProcessingResponse:
+    """An answer of ours; with `request_id`, to an inference request (`attempts`: none reached a replica)."""
     extra_headers = [*headers, *(views.id_headers(request_id, shape) if request_id else [])]
+    if request_id and attempts:
+        extra_headers.append((views.ATTEMPTS_HEADER, "0"))
     body = views.error_document(shape, status, code, message, request_id, **extra)
     return m.immediate(status, body, extra_headers=extra_headers)
+
+
+# Journal writes that outlive the stream that started them (held here so that they are not collected).
+_BACKGROUND: set[asyncio.Task[None]] = set()
 
 
 class _Writer:
@@ -185,7 +193,7 @@ class Inference(PassThrough):
             return m.immediate(
                 rejected.status,
                 views.rejection_body(rejected, request_id, self._shape),
-                extra_headers=views.id_headers(request_id, self._shape),
+                extra_headers=[*views.id_headers(request_id, self._shape), (views.ATTEMPTS_HEADER, "0")],
             )
         request = r.LogicalRequest(
             request_id=request_id,
@@ -262,28 +270,51 @@ class Inference(PassThrough):
         if destinations.overloaded_for is not None:
             # Every replica it could go to is ejected, for a while yet: no attempt is made.
             retry_after = max(1, math.ceil(destinations.overloaded_for))
-            headers = (("retry-after", str(retry_after)), (views.ATTEMPTS_HEADER, "0"))
             if destinations.ejected_by == BREAKER:
-                return _error(
+                error = r.FailRequest(
                     503,
-                    Outcome.NO_REPLICA_AVAILABLE.value,
+                    Outcome.NO_REPLICA_AVAILABLE,
                     f"every replica that serves model {parsed.model!r} failed before content too often in a "
                     f"row (its circuit is open, placement.breaker_failures); the first is tried again in "
                     f"{retry_after} s",
-                    request_id,
-                    shape=self._shape,
-                    headers=headers,
+                    retry_after=str(retry_after),
                 )
-            return _error(
-                429,
-                Outcome.REPLICAS_OVERLOADED.value,
-                f"every replica that serves model {parsed.model!r} answered 429 or 503 with Retry-After "
-                f"(overloaded); the first is back in {retry_after} s: try again then",
-                request_id,
-                shape=self._shape,
-                headers=headers,
-            )
+            else:
+                error = r.FailRequest(
+                    429,
+                    Outcome.REPLICAS_OVERLOADED,
+                    f"every replica that serves model {parsed.model!r} answered 429 or 503 with Retry-After "
+                    f"(overloaded); the first is back in {retry_after} s: try again then",
+                    retry_after=str(retry_after),
+                )
+            self._journal_refusal(request, error, destinations)
+            return self._immediate(request, error)
         return destinations
+
+    def _journal_refusal(
+        self, request: r.LogicalRequest, error: r.FailRequest, destinations: Destinations
+    ) -> None:
+        """Journal a request refused before any attempt (failed, so that the same Idempotency-Key may run
+        again), beside the answer: the client does not wait for etcd."""
+
+        async def write() -> None:
+            try:
+                await self._services.journal.record_rejected(
+                    self._tenant,
+                    request.request_id,
+                    route=request.parsed.kind.value,
+                    outcome=str(error.code),
+                    status=error.status,
+                    reason=error.message,
+                    phase=r.Phase.FAILED,
+                    destinations=destinations,
+                )
+            except StoreUnavailable as exc:
+                log.warning("request %s refused, not journaled (etcd: %s)", request.request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(write())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
     async def _decided(self, event: r.Input) -> r.Decision:
         """Feed `event` and wait for the machine's reply to the message it came with (now, or once what it
@@ -635,6 +666,7 @@ class DownstreamStream:
                 "Idempotency-Key must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
                 None,
                 shape=shape,
+                headers=((views.ATTEMPTS_HEADER, "0"),),
             )
         request_id = key or new_request_id()
         try:
@@ -687,6 +719,7 @@ class DownstreamStream:
             "request_not_found",
             "no request with this id is known to this caller (records expire after the retention period)",
             request_id,  # None when it is not a valid id: never echoed into a header
+            attempts=False,  # a look-up, not an answer to the request
         )
         if request_id is None:
             return not_found
@@ -699,7 +732,11 @@ class DownstreamStream:
                 record = await services.journal.lookup(tenant, request_id)
             except StoreUnavailable as exc:
                 return _error(
-                    503, "journal_unavailable", f"the request journal cannot be read now: {exc}", request_id
+                    503,
+                    "journal_unavailable",
+                    f"the request journal cannot be read now: {exc}",
+                    request_id,
+                    attempts=False,
                 )
         if record is None:
             return not_found

@@ -26,6 +26,7 @@ from router_sidecar.core.policy import (
     Policy,
     RouteOverlay,
 )
+from router_sidecar.core.views import ATTEMPTS_HEADER
 from router_sidecar.extproc.access_log import (  # what the sidecar reads of the access log behind a picker
     CREDENTIAL_HEADERS,
     EXT_PROC_ERROR,
@@ -336,10 +337,11 @@ def _picker_reply_mappers() -> list[dict[str, Any]]:
                     "filter": _cel_filter(f"{_NOT_OURS} && {condition}{api}"),
                     "headers_to_add": [
                         {
-                            "header": {"key": name, "value": request_id},
+                            "header": {"key": name, "value": value},
                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                         }
-                        for name in id_headers
+                        # No attempt was made: the picker answered before any.
+                        for name, value in [*((n, request_id) for n in id_headers), (ATTEMPTS_HEADER, "0")]
                     ],
                     "body_format_override": {"json_format": body},
                 }

@@ -174,9 +174,9 @@ def test_the_pickers_answers_become_our_json_errors_before_any_other_mapper() ->
         names = [h["header"]["key"] for h in mapper["headers_to_add"]]
         if messages:
             assert body["type"] == "error" and error["details"] == {"error_code": error["code"]}
-            assert names == ["x-request-id", "request-id"]
+            assert names == ["x-request-id", "request-id", "x-router-attempts"]
         else:
-            assert error["type"] == "gateway_error" and names == ["x-request-id"]
+            assert error["type"] == "gateway_error" and names == ["x-request-id", "x-router-attempts"]
         codes.append((error["code"], messages, error["type"]))
     assert codes == [
         ("endpoint_picker_unavailable", True, "overloaded_error"),
