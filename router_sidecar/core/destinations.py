@@ -18,6 +18,7 @@ never a host tried before). So where an attempt goes is our decision, made here 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -80,6 +81,26 @@ class Destinations:
     # ("overload": it announced one; "breaker": its circuit is open).
     overloaded_for: float | None = None
     ejected_by: str = ""
+    # (address, model) of the replicas of fallback models, at the order's end (policy fallback.models)
+    fallback: tuple[tuple[str, str], ...] = ()
+    # Why the order holds no replica of the request's own model, when it holds only fallback ones.
+    fallback_cause: str = ""
+
+    def fallback_model(self, address: str) -> str | None:
+        """The fallback model `address` serves in this order (None: not a fallback entry)."""
+        return next((model for a, model in self.fallback if a == address), None)
+
+    def with_fallback(self, targets: Sequence[tuple[str, str]], own: int, cause: str = "") -> Destinations:
+        """This order's first `own` entries, then the fallback models' replicas `targets` (address, model)."""
+        own_order = self.order[:own]
+        fallback = tuple((a, m) for a, m in dict(targets).items() if a not in own_order)
+        return dataclasses.replace(
+            self,
+            order=own_order + tuple(a for a, _ in fallback),
+            fallback=fallback,
+            fallback_cause=cause,
+            overloaded_for=None if fallback else self.overloaded_for,
+        )
 
     def why(self, address: str) -> str:
         """Why an attempt that went to `address` went there."""
@@ -87,6 +108,9 @@ class Destinations:
             index = self.order.index(address)
             if self.source == HOLDER:
                 return "holder of the stored response it continues"
+            model = self.fallback_model(address)
+            if model is not None:
+                return f"fallback to model {model}, choice #{index + 1}"
             why = f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
             score = next((r for r in self.ranked if r[0] == address), None)
             if score is not None:
