@@ -559,6 +559,9 @@ class LogicalRequest:
         # The gateway's memory of where attempts went (prefixes, overloads, each tenant's retries): told as
         # attempts start and fail, asked before a retry is given.
         self.placement = placement
+        # The failed attempts the placement was told of: a verdict that waited for the claim is given again
+        # once it settles, and must not count the same failure twice (a circuit opened by one failure).
+        self._failures_told: set[str] = set()
         self.retries_given = 0
         # Attempts on a fallback model's replica: attempt id -> (model, the cause that allowed it).
         self._fallbacks: dict[str, tuple[str, str]] = {}
@@ -1010,7 +1013,8 @@ class LogicalRequest:
 
     def _verdict(self, attempt: Attempt, failed: a.Failed) -> list[Decision]:
         """The fate of a failed attempt: another attempt, or one error for the client."""
-        if self.placement is not None:
+        if self.placement is not None and attempt.attempt_id not in self._failures_told:
+            self._failures_told.add(attempt.attempt_id)
             if attempt.status is not None:
                 self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
             if self.phase is Phase.PREFILL and failed.reason is not a.FailureReason.LEASE_LOST:

@@ -25,8 +25,15 @@ from router_sidecar.core.placement import (
     retry_after_seconds,
 )
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
-from router_sidecar.core.request import Admitted, AttemptArrived, LogicalRequest, RefuseAttempt
-from tests.unit.test_request import SSE, begin, fa, failed, parsed, settle_claim
+from router_sidecar.core.request import (
+    Admitted,
+    AttemptArrived,
+    ForwardAttempt,
+    GrantLease,
+    LogicalRequest,
+    RefuseAttempt,
+)
+from tests.unit.test_request import SSE, begin, fa, failed, grant, parsed, settle_claim
 
 BLOCK = 32
 
@@ -424,3 +431,24 @@ def test_the_machine_counts_failures_before_content_and_successes() -> None:
         settle_claim(request)
         failed(request, ResponseHeaders(200, SSE), StreamReset())  # on r1 (the helper's replica)
     assert book.ranking([Candidate("r1")], ())[0][0].ejected_by == "breaker"
+
+
+def test_a_failure_whose_verdict_waited_for_the_claim_is_counted_once() -> None:
+    """The first attempt may fail before the request's journal claim settled: its verdict waits and is
+    given again once the claim is back. The breaker counts that failure once (it counted it twice, so one
+    503 opened a circuit of breaker_failures 2)."""
+    policy = policy_from_mapping({"placement": {"breaker_failures": 2, "breaker_open_seconds": 2}})
+    book, _ = placement(policy)
+    request = LogicalRequest(request_id="r", tenant="t", parsed=parsed(), policy=policy, placement=book)
+    request.handle(Admitted())  # the claim is pending
+    assert request.handle(AttemptArrived("att-1", "r1")) == [GrantLease("att-1", "r1")]
+    assert grant(request, "att-1") == [ForwardAttempt("att-1")]
+    attempt = request.attempt("att-1")
+    assert attempt is not None
+    fa(request, attempt, ResponseHeaders(503, "application/json"))
+    assert attempt.verdict is None  # waiting for the claim
+    settle_claim(request)
+    assert isinstance(attempt.verdict, TriggerRetry)
+    assert not book.ranking([Candidate("r1")], ())[0][0].why_not  # one failure: still closed
+    book.failed_before_content("r1")
+    assert book.ranking([Candidate("r1")], ())[0][0].ejected_by == "breaker"  # the second opens it
