@@ -94,9 +94,12 @@ class Destinations:
         """This order's first `own` entries, then the fallback models' replicas `targets` (address, model)."""
         own_order = self.order[:own]
         fallback = tuple((a, m) for a, m in dict(targets).items() if a not in own_order)
+        addresses = tuple(a for a, _ in fallback)
         return dataclasses.replace(
             self,
-            order=own_order + tuple(a for a, _ in fallback),
+            order=own_order + addresses,
+            # In the order now, so not "left out" of it (a fallback replica is incompatible with the pin).
+            excluded=tuple(x for x in self.excluded if x[0] not in addresses),
             fallback=fallback,
             fallback_cause=cause,
             overloaded_for=None if fallback else self.overloaded_for,

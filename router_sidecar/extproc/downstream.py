@@ -251,9 +251,10 @@ class Inference(PassThrough):
             return only
         if services.discovery:
             pinned = choose_pin(services.liveness.routable, parsed.model)
-            known = any(x.fingerprint.model_id == parsed.model for x in services.liveness.replicas.values())
+            known = parsed.model in services.liveness.models_ever_served
             if pinned is None and known and (targets := self._fallback_targets(request, candidates)):
-                # Its model is registered but no replica of it can be sent to: the fallback's, if allowed.
+                # Its model was registered but no replica of it can be sent to now (none healthy: their
+                # agents withdrew them; every one draining): the fallback's, if allowed.
                 return Destinations((), GATEWAY).with_fallback(targets, 0, "unavailable")
             if pinned is None:
                 served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.routable.values()})
