@@ -153,7 +153,8 @@ class RetryBudget:
     """Each tenant's requests in retry at once, at most max(min, percent × its requests in flight).
 
     Counted from the live requests themselves (weakly held, so none leaks a slot): a request is in retry from
-    the first retry it was given until it ends."""
+    the first retry it was given until its first content is delivered (or it ends): the retries that load a
+    failing pool are the ones still waiting for a prefill."""
 
     def __init__(self, *, percent: float, minimum: int) -> None:
         self._percent = percent
@@ -171,7 +172,7 @@ class RetryBudget:
         live = [r for r in tenant if not r.is_terminal]
         for ended in [r for r in tenant if r.is_terminal]:
             tenant.discard(ended)
-        in_retry = sum(1 for r in live if r.retries_given and r is not request)
+        in_retry = sum(1 for r in live if r.retries_given and not r.first_delta_sent and r is not request)
         allowed = max(self._minimum, math.floor(self._percent / 100 * len(live)))
         if in_retry < allowed:
             return None

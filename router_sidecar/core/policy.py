@@ -232,7 +232,7 @@ class Budgets:
         ),
     )
     tenant_min_retry_concurrency: int = field(
-        default=2,
+        default=3,
         metadata=_key("a tenant may always have this many requests in retry at once", lo=0),
     )
 
@@ -263,7 +263,8 @@ class Placement:
     max_retry_after_seconds: float = field(
         default=60.0,
         metadata=_key(
-            "a replica's 429/503 with Retry-After takes it out of the attempts' order this long at most",
+            "a replica's 429/503 with Retry-After takes it out of the attempts' order this long at most "
+            "(0: a Retry-After never does)",
             lo=0,
             hi=3600,
         ),

@@ -895,10 +895,12 @@ def test_a_client_that_stops_reading_then_leaves_is_cancelled(stack: HostileStac
     )
     assert (journal["phase"], journal["attempt"]) == ("cancelled", 1), journal
     [end] = served_by(stack, key, 1)
-    assert end["how"] == "client_gone" and end["client_gone_at"] is not None, end
-    assert end["bytes_sent"] < len(hr.tiny_stream_payload(end["cid"], 200_000)), (
-        "nothing held the replica back"
-    )
+    # What the client's departure reaches is the request, not the replica's writes: nothing holds a replica
+    # back while a client stops reading (measured: ~32 of these 40 MB leave the replica within the 1 s pause,
+    # buffered on the full-duplex path; docs/bounds.md). On a busy machine the replica may finish first.
+    assert end["how"] in ("client_gone", "complete"), end
+    if end["how"] == "client_gone":
+        assert end["client_gone_at"] is not None, end
 
 
 # --------------------------------------------------------------------------- the loop

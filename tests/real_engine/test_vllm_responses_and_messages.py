@@ -48,7 +48,7 @@ from tests.real_engine.tier import (
     AUTH,
     Landed,
     Together,
-    freeze_at_first_content,
+    frozen_mid_stream,
     gateway_to,
     replica_of,
     results_of,
@@ -433,12 +433,6 @@ def both_apis_together(
     )
 
 
-def clean_end(result: Streamed) -> bool:
-    """The stream ended as the engine ends a whole answer."""
-    names = [event.name for event in named_events(result.raw)]
-    return bool({"response.completed", "response.incomplete", "message_stop"} & set(names))
-
-
 def test_worker_killed_after_first_content_gives_prefix_then_reset_or_one_terminal_event(
     gateway: Gateway, store_on: dict[str, TierVllmReplica]
 ) -> None:
@@ -449,8 +443,7 @@ def test_worker_killed_after_first_content_gives_prefix_then_reset_or_one_termin
     gateway replaces by its terminal event."""
     replicas = store_on
     standing(replicas, gateway, restart_others=True)
-    together = both_apis_together(gateway, replicas, "killed")
-    served = freeze_at_first_content(together)
+    together, served = frozen_mid_stream(lambda: both_apis_together(gateway, replicas, "killed"))
     killed = list(dict.fromkeys(served.values()))
     for replica in killed:
         kill_worker(replica)
@@ -482,25 +475,14 @@ def test_frozen_after_first_content_ends_with_one_terminal_event_in_the_apis_sha
     time. The frozen replica is stopped here (nothing after this test needs it)."""
     replicas = store_on
     standing(replicas, gateway, restart_others=False)
-    frozen: list[TierVllmReplica] = []
+    together, served = frozen_mid_stream(lambda: both_apis_together(gateway, replicas, "frozen"))
+    frozen = list(dict.fromkeys(served.values()))
+    frozen_at = time.monotonic()
     try:
-        for _ in range(3):
-            together = both_apis_together(gateway, replicas, "frozen")
-            served = freeze_at_first_content(together)
-            frozen = list(dict.fromkeys(served.values()))
-            frozen_at = time.monotonic()
-            for replica in replicas.values():
-                if replica not in frozen:
-                    replica.signal_group(signal.SIGCONT)
-            results = results_of(together)
-            whole = [api for api, result in results.items() if clean_end(result)]
-            if not whole:
-                break
-            # The journal's first_delta_sent of the later stream came after the earlier one's whole answer
-            # (a busy machine): the freeze landed too late for it. Thawed, and again.
-            print(f"\nreal_engine: {whole} answered whole before the freeze; again")
-            for replica in frozen:
+        for replica in replicas.values():
+            if replica not in frozen:
                 replica.signal_group(signal.SIGCONT)
+        results = results_of(together)
         for api, result in results.items():
             ended_after = together.streams[api].box["ended"] - frozen_at
             journal, event, client_count = assert_prefix_then_reset_or_terminal_event(api, gateway, result)

@@ -115,9 +115,11 @@ def stream_chat(
     headers: dict[str, str] | None = None,
     read_timeout: float = 60.0,
     stream_options: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     **extra: Any,
 ) -> Streamed:
-    """Stream one chat completion with the SDK; `on_chunk` returning True makes the client leave."""
+    """Stream one chat completion with the SDK (`messages`, else MESSAGES); `on_chunk` returning True makes
+    the client leave."""
     client, tee = sdk_client(base_url, read_timeout=read_timeout)
     result = Streamed()
     body: dict[str, Any] = {"ignore_eos": True, **extra.pop("extra_body", {})}
@@ -126,7 +128,7 @@ def stream_chat(
     try:
         stream = client.chat.completions.create(
             model="tiny",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=messages or MESSAGES,  # type: ignore[arg-type]
             stream=True,
             max_tokens=max_tokens,
             extra_headers=headers,
@@ -502,6 +504,30 @@ def freeze_at_first_content(together: Together[R], *, timeout: float = 30.0) -> 
     missing = [n for n, r in served.items() if r is None]
     assert not missing, f"no serving replica in the journal for {missing}"
     return served  # type: ignore[return-value]
+
+
+def frozen_mid_stream(
+    begin: Callable[[], Together[R]], *, tries: int = 3
+) -> tuple[Together[R], dict[str, R]]:
+    """`begin()` the streams and freeze every replica at their first content (freeze_at_first_content);
+    again, at most `tries` times, when a stream was answered whole before the freeze landed (a busy machine:
+    the later stream's first content was released after the earlier one's whole answer had gone out). Every
+    replica is frozen on return; the caller acts, then thaws."""
+    for _ in range(tries):
+        together = begin()
+        served = freeze_at_first_content(together)
+        whole = [
+            name
+            for name, stream in together.streams.items()
+            if journal_of(together.gateway, stream.request_id).get("phase") == "completed"
+        ]
+        if not whole:
+            return together, served
+        print(f"\nreal_engine: {whole} answered whole before the freeze; again")
+        for replica in together.replicas.values():
+            replica.signal_group(signal.SIGCONT)
+        results_of(together)
+    raise AssertionError(f"a stream was answered whole before the freeze {tries} times")
 
 
 def results_of(together: Together[R], *, timeout: float = 90.0) -> dict[str, Streamed]:

@@ -52,7 +52,7 @@ from tests.real_engine.sglang.conftest import restart_dead
 from tests.real_engine.tier import (
     AUTH,
     Landed,
-    freeze_at_first_content,
+    frozen_mid_stream,
     gateway_to,
     replica_of,
     results_of,
@@ -329,14 +329,15 @@ def test_server_killed_after_first_content_gives_prefix_then_reset_or_one_termin
             body=GREEDY,
         )
 
-    together = start_together(
-        sglang_gateway,
-        replicas,
-        {api: start(api) for api in APIS},
-        {api: sdk_content(api) for api in APIS},
-        id_prefix="killed",
+    together, served = frozen_mid_stream(
+        lambda: start_together(
+            sglang_gateway,
+            replicas,
+            {api: start(api) for api in APIS},
+            {api: sdk_content(api) for api in APIS},
+            id_prefix="killed",
+        )
     )
-    served = freeze_at_first_content(together)
     killed = list(dict.fromkeys(served.values()))
     for replica in killed:
         replica.kill_server()
