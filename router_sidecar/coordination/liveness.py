@@ -61,6 +61,9 @@ class LivenessMonitor:
         self._probe_failures = probe_failures
         self.replicas: dict[str, Replica] = {}
         self._ever_registered: set[str] = set()
+        # Every model a registered replica ever served: one whose replicas are all gone now is still known
+        # (a fallback may answer for it: docs/design.md#fallback), unlike a name no replica ever served.
+        self.models_ever_served: set[str] = set()
         # replica → {callback: when it subscribed (monotonic)}: a probe's verdict applies to the attempts
         # that were already there when the probe started.
         self._watchers: dict[str, dict[LossCallback, float]] = {}
@@ -153,6 +156,9 @@ class LivenessMonitor:
             lost = set(self.replicas) - set(snapshot)
             self.replicas = snapshot
             self._ever_registered.update(snapshot)
+            self.models_ever_served.update(
+                r.fingerprint.model_id for r in snapshot.values() if r.fingerprint.model_id
+            )
             self.first_snapshot.set()
             self.changed.set()
             self.changed = asyncio.Event()

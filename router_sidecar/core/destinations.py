@@ -18,6 +18,7 @@ never a host tried before). So where an attempt goes is our decision, made here 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +53,8 @@ class Candidate:
     address: str
     digest: str | None = None  # its compatibility fingerprint (None: a static replica, compatible with all)
     why_not: str = ""  # why no new attempt may go to it now (draining, failing its health checks); "": it may
-    ejected_for: float | None = None  # seconds left of the overload it announced (why_not says so)
+    ejected_for: float | None = None  # seconds left of its ejection (why_not says why)
+    ejected_by: str = ""  # "overload" (it announced one) or "breaker" (its circuit is open)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +77,33 @@ class Destinations:
     prefix_blocks: int = 0  # the prompt's blocks (core/placement.py)
     # (address, warm blocks, requests in flight) of the entries the gateway ranked, in the order's order
     ranked: tuple[tuple[str, int, int], ...] = ()
-    # Every usable compatible replica announced an overload: the shortest time left (no attempt is made).
+    # Every usable compatible replica is ejected: the shortest time left (no attempt is made), and by what
+    # ("overload": it announced one; "breaker": its circuit is open).
     overloaded_for: float | None = None
+    ejected_by: str = ""
+    # (address, model) of the replicas of fallback models, at the order's end (policy fallback.models)
+    fallback: tuple[tuple[str, str], ...] = ()
+    # Why the order holds no replica of the request's own model, when it holds only fallback ones.
+    fallback_cause: str = ""
+
+    def fallback_model(self, address: str) -> str | None:
+        """The fallback model `address` serves in this order (None: not a fallback entry)."""
+        return next((model for a, model in self.fallback if a == address), None)
+
+    def with_fallback(self, targets: Sequence[tuple[str, str]], own: int, cause: str = "") -> Destinations:
+        """This order's first `own` entries, then the fallback models' replicas `targets` (address, model)."""
+        own_order = self.order[:own]
+        fallback = tuple((a, m) for a, m in dict(targets).items() if a not in own_order)
+        addresses = tuple(a for a, _ in fallback)
+        return dataclasses.replace(
+            self,
+            order=own_order + addresses,
+            # In the order now, so not "left out" of it (a fallback replica is incompatible with the pin).
+            excluded=tuple(x for x in self.excluded if x[0] not in addresses),
+            fallback=fallback,
+            fallback_cause=cause,
+            overloaded_for=None if fallback else self.overloaded_for,
+        )
 
     def why(self, address: str) -> str:
         """Why an attempt that went to `address` went there."""
@@ -84,6 +111,9 @@ class Destinations:
             index = self.order.index(address)
             if self.source == HOLDER:
                 return "holder of the stored response it continues"
+            model = self.fallback_model(address)
+            if model is not None:
+                return f"fallback to model {model}, choice #{index + 1}"
             why = f"{PICKER if index < self.from_picker else GATEWAY} choice #{index + 1}"
             score = next((r for r in self.ranked if r[0] == address), None)
             if score is not None:
@@ -155,14 +185,15 @@ def choose(
     gateway = head + rest
     source = PICKER_THEN_GATEWAY if from_picker and gateway else PICKER if from_picker else GATEWAY
     order = tuple(from_picker + gateway)
-    overloaded_for = None
+    overloaded_for, ejected_by = None, ""
     if not order:
         ejected = [
-            c.ejected_for
+            (c.ejected_for, c.ejected_by)
             for c in candidates
             if c.ejected_for is not None and (pinned is None or c.digest in (None, pinned))
         ]
-        overloaded_for = min(ejected) if ejected else None
+        if ejected:
+            overloaded_for, ejected_by = min(ejected)
     return Destinations(
         order,
         source,
@@ -172,6 +203,7 @@ def choose(
         prefix_blocks=ranking.blocks,
         ranked=ranked if ranking.blocks else (),
         overloaded_for=overloaded_for,
+        ejected_by=ejected_by,
     )
 
 

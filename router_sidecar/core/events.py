@@ -37,6 +37,7 @@ class EventName(enum.StrEnum):
     TOOL_CALL_FREED = "tool_call_freed"
     TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
     GATEWAY_LOST = "gateway_lost"  # the instance serving the request is gone; another closed its record
+    ANSWERED_BY_FALLBACK = "answered_by_fallback"  # a fallback model's attempt delivered the first content
 
 
 class Outcome(enum.StrEnum):

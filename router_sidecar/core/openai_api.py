@@ -226,6 +226,14 @@ def prompt_blocks(
     return tuple(blocks)
 
 
+def with_model(body: bytes, model: str) -> bytes:
+    """The request body with `model` naming another model (a fallback's), everything else as it was sent.
+    The body was parsed at admission, so it is a JSON object; keys keep their order."""
+    request = json.loads(body)
+    request["model"] = model
+    return json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
 def _canonical(value: Any) -> bytes:
     # surrogatepass: JSON may carry a lone surrogate escape ("\ud800"), which strict UTF-8 cannot encode.
     if isinstance(value, str):

@@ -11,6 +11,9 @@ and fail; read at admission to order a request's attempts (`core/destinations.py
   blocks is warm;
 * **which replica said it is overloaded**: a 429 or 503 with `Retry-After` takes it out of the order for that
   long (capped), and one whose connection failed before a request was sent goes last for a moment;
+* **which replica keeps failing** (a circuit breaker, when `placement.breaker_failures` is set): that many
+  attempts failing before content in a row open its circuit, which keeps it out of every order for a while,
+  doubled each time it opens again; once the time is up it is tried again, and one success closes it;
 * **whose retries a tenant may still start**: a tenant holds at most its share of its own requests in retry.
 
 Nothing here is shared between gateway instances: each learns from its own attempts (a replica's 429 reaches
@@ -92,11 +95,18 @@ def retry_after_seconds(value: str | None, wall_now: float) -> float | None:
     return max(0.0, when.timestamp() - wall_now)
 
 
+OVERLOAD, BREAKER, CONNECT = "overload", "breaker", "connect"
+
+
 @dataclass(frozen=True, slots=True)
 class Ejection:
     until: float  # monotonic
     why: str
-    hard: bool  # out of the order (an overload it announced); else last in it (its connection failed)
+    kind: str  # OVERLOAD (it said so), BREAKER (its circuit is open): out of the order; CONNECT: last in it
+
+    @property
+    def hard(self) -> bool:
+        return self.kind != CONNECT
 
 
 class Ejections:
@@ -113,6 +123,30 @@ class Ejections:
         for replica in [r for r, e in self._by_replica.items() if e.until <= now]:
             del self._by_replica[replica]  # lapsed: it comes back by itself
         return dict(self._by_replica)
+
+
+class Breakers:
+    """Per replica, the attempts that failed before content since its last success."""
+
+    def __init__(self, *, failures: int, open_seconds: float, max_open_seconds: float) -> None:
+        self._failures = failures
+        self._open_seconds = open_seconds
+        self._max_open_seconds = max_open_seconds
+        self._in_a_row: dict[str, int] = {}
+
+    def failed(self, replica: str, now: float) -> Ejection | None:
+        """One more failure: the ejection that opens (or opens again) its circuit, if it does."""
+        if self._failures <= 0:
+            return None
+        count = self._in_a_row[replica] = self._in_a_row.get(replica, 0) + 1
+        if count < self._failures:
+            return None
+        seconds = min(self._open_seconds * 2 ** min(count - self._failures, 20), self._max_open_seconds)
+        why = f"circuit open: {count} attempts in a row failed before content"
+        return Ejection(now + seconds, why, BREAKER)
+
+    def succeeded(self, replica: str) -> None:
+        self._in_a_row.pop(replica, None)
 
 
 class RetryBudget:
@@ -163,6 +197,11 @@ class Placement:
         self._wall_clock = wall_clock
         self.prefixes = PrefixIndex(per_replica=p.prefix_blocks_per_replica, ttl_seconds=p.prefix_ttl_seconds)
         self.ejections = Ejections()
+        self.breakers = Breakers(
+            failures=p.breaker_failures,
+            open_seconds=p.breaker_open_seconds,
+            max_open_seconds=p.breaker_max_open_seconds,
+        )
         self.budget = RetryBudget(
             percent=policy.budgets.tenant_retry_budget_percent,
             minimum=policy.budgets.tenant_min_retry_concurrency,
@@ -192,14 +231,25 @@ class Placement:
         if seconds <= 0:
             return
         why = f"answered {status} with Retry-After {retry_after}"
-        self.ejections.eject(replica, Ejection(self._clock() + seconds, why, hard=True))
+        self.ejections.eject(replica, Ejection(self._clock() + seconds, why, OVERLOAD))
 
     def unreachable(self, replica: str) -> None:
-        """A connection to the replica died before a request was sent on it: last in the order a moment."""
+        """A connection to the replica died before a request was sent on it: last in the order a moment (a
+        failure for its circuit breaker too)."""
         seconds = self._settings.connect_failure_seconds
         if seconds > 0:
             why = "its connection failed before a request was sent"
-            self.ejections.eject(replica, Ejection(self._clock() + seconds, why, hard=False))
+            self.ejections.eject(replica, Ejection(self._clock() + seconds, why, CONNECT))
+        self.failed_before_content(replica)
+
+    def failed_before_content(self, replica: str) -> None:
+        opened = self.breakers.failed(replica, self._clock())
+        if opened is not None:
+            self.ejections.eject(replica, opened)
+
+    def succeeded(self, replica: str) -> None:
+        """An attempt on the replica delivered content: its circuit is closed."""
+        self.breakers.succeeded(replica)
 
     def retry_refusal(self, request: LogicalRequest) -> str | None:
         return self.budget.refusal(request) if self._budgeted else None
@@ -218,11 +268,13 @@ class Placement:
             ejection = ejected.get(candidate.address)
             if ejection is not None and ejection.hard and not candidate.why_not:
                 left = ejection.until - now
+                why = f"it {ejection.why}" if ejection.kind == OVERLOAD else ejection.why
                 candidate = Candidate(
                     candidate.address,
                     candidate.digest,
-                    f"ejected for {left:.1f} s more: it {ejection.why}",
+                    f"ejected for {left:.1f} s more: {why}",
                     ejected_for=left,
+                    ejected_by=ejection.kind,
                 )
             elif ejection is not None:
                 demoted.add(candidate.address)

@@ -5,7 +5,8 @@ must stop the sidecar instead of silently running with a default. Every key is o
 a missing key takes the value of :data:`DEFAULT_POLICY` (``policy.example.yaml`` shows them all).
 
 The frozen dataclass tree below *is* the schema: a field's type says what is accepted (``int``,
-``float``, ``bool``, ``Literal[...]``, ``frozenset[Literal[...]]``, ``str | None``, or a nested section),
+``float``, ``bool``, ``Literal[...]``, ``frozenset[Literal[...]]``, ``tuple[str, ...]`` (an ordered list of
+names), ``str | None``, or a nested section),
 its :class:`KeySpec` metadata says the bounds and the doc. One generic walker reads a mapping against it;
 the only hand-written rules are the cross-field checks in :data:`_CHECKS`.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "Budgets",
     "CostCap",
     "Deadlines",
+    "Fallback",
     "JournalPolicy",
     "KeySpec",
     "Leases",
@@ -70,6 +72,7 @@ ADMISSION_MARGIN_SECONDS: Final = 5
 BeforeAction = Literal["retry_prefill_on_healthy_replica", "fail_request"]
 Requirement = Literal["source_attempt_fenced", "retry_budget_available"]
 FenceWait = Literal["cancel_ack_or_lease_expiry", "lease_expiry"]
+FallbackCause = Literal["failed_before_content", "overloaded", "no_compatible_replica", "unavailable"]
 UncertainThen = Literal["retry_only_if_no_delta_was_sent", "fail_request"]
 
 
@@ -273,6 +276,53 @@ class Placement:
             lo=0,
             hi=600,
         ),
+    )
+    # A circuit breaker per replica: off by default, so that without it the gateway behaves as it always did.
+    breaker_failures: int = field(
+        default=0,
+        metadata=_key(
+            "attempts on one replica that fail before content in a row to open its circuit (0: no breaker)",
+            lo=0,
+            hi=1000,
+        ),
+    )
+    breaker_open_seconds: float = field(
+        default=2.0,
+        metadata=_key(
+            "an open circuit keeps its replica out of every order this long, doubled each time it opens "
+            "again without a success between",
+            lo=0.1,
+            hi=600,
+        ),
+    )
+    breaker_max_open_seconds: float = field(
+        default=30.0,
+        metadata=_key("the longest an open circuit keeps its replica out", lo=0.1, hi=3600),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """Another model answers when the request's own cannot, before the first delta only, said out loud
+    (docs/design.md#fallback). Off unless `models` names one."""
+
+    models: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "models (as replica agents register them) that may answer instead, in order; empty: no fallback"
+        ),
+    )
+    causes: frozenset[FallbackCause] = field(
+        default=frozenset({"failed_before_content", "overloaded", "no_compatible_replica", "unavailable"}),
+        metadata=_key(
+            "what allows a fallback: every attempt failed before content (failed_before_content), the last "
+            "with a 429 (overloaded), no compatible replica of the model left (no_compatible_replica), or "
+            "none of its replicas could be sent to at all (unavailable: none healthy, every circuit open)"
+        ),
+    )
+    max_attempts: int = field(
+        default=1,
+        metadata=_key("attempts on fallback models, beyond the request's own max_attempts", lo=1, hi=4),
     )
 
 
@@ -512,6 +562,7 @@ class Policy:
     on_upstream_failure: OnUpstreamFailure = field(default_factory=OnUpstreamFailure)
     budgets: Budgets = field(default_factory=Budgets)
     placement: Placement = field(default_factory=Placement)
+    fallback: Fallback = field(default_factory=Fallback)
     reprefill_cost_cap: CostCap = field(default_factory=CostCap)
     deadlines: Deadlines = field(default_factory=Deadlines)
     upstream_connections: UpstreamConnections = field(default_factory=UpstreamConnections)
@@ -669,6 +720,8 @@ def _to_mapping(section: Any) -> dict[str, Any]:
             out[f.name] = _to_mapping(value)
         elif get_origin(kind) is frozenset:
             out[f.name] = [item for item in get_args(get_args(kind)[0]) if item in value]  # schema order
+        elif get_origin(kind) is tuple:
+            out[f.name] = list(value)
         else:
             out[f.name] = value
     return out
@@ -739,6 +792,8 @@ def _refuse_fixed_rule(where: str, value: Any) -> None:
 def _leaf(kind: Any, v: Any, where: str, spec: KeySpec) -> Any:
     if get_origin(kind) is frozenset:
         return _literal_set(get_args(get_args(kind)[0]), v, where)
+    if get_origin(kind) is tuple:
+        return _names(v, where)
     if not _accepts(kind, v):
         why = f". {spec.why}" if spec.why else ""
         raise PolicyError(where, f"must be {_describe(kind)}; got {_show(v)}{why}")
@@ -756,6 +811,13 @@ def _literal_set(allowed: tuple[Any, ...], v: Any, where: str) -> frozenset[Any]
     if len(set(v)) != len(v):
         raise PolicyError(where, f"lists a value twice: {v!r}")
     return frozenset(v)
+
+
+def _names(v: Any, where: str) -> tuple[str, ...]:
+    names = isinstance(v, list) and all(isinstance(item, str) and item.strip() for item in v)
+    if not names or len(set(v)) != len(v):
+        raise PolicyError(where, f"must be a list of distinct non-empty strings; got {_show(v)}")
+    return tuple(v)
 
 
 def _accepts(kind: Any, v: Any) -> bool:

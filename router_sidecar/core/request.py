@@ -326,9 +326,11 @@ class FailNow:
 
 @dataclass(frozen=True, slots=True)
 class ForwardAttempt:
-    """Reply to the attempt's request headers: send it to its replica, with its attempt headers."""
+    """Reply to the attempt's request headers: send it to its replica, with its attempt headers (and, on a
+    fallback model's replica, the request body with `model` naming it)."""
 
     attempt_id: str
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,7 +559,15 @@ class LogicalRequest:
         # The gateway's memory of where attempts went (prefixes, overloads, each tenant's retries): told as
         # attempts start and fail, asked before a retry is given.
         self.placement = placement
+        # The failed attempts the placement was told of: a verdict that waited for the claim is given again
+        # once it settles, and must not count the same failure twice (a circuit opened by one failure).
+        self._failures_told: set[str] = set()
         self.retries_given = 0
+        # Attempts on a fallback model's replica: attempt id -> (model, the cause that allowed it).
+        self._fallbacks: dict[str, tuple[str, str]] = {}
+        self._fallback_granting: tuple[str, str] | None = None
+        # (model, causes) once a fallback model's attempt delivered the first content.
+        self.answered_by_fallback: tuple[str, tuple[str, ...]] | None = None
         self._waiting = _Attempts()
         self._headers_waiting: ResponseStarted | None = None
         if parsed.stateful is not None:
@@ -595,8 +605,17 @@ class LogicalRequest:
 
     @property
     def counted(self) -> int:
-        """The attempts that count against max_attempts: those a replica may have seen."""
+        """The attempts a replica may have seen (of its own model and of fallback models)."""
         return sum(1 for x in self.attempts if x.state is not AttemptState.NEVER_SENT)
+
+    @property
+    def own_counted(self) -> int:
+        """The attempts that count against max_attempts: those of its own model a replica may have seen."""
+        return sum(
+            1
+            for x in self.attempts
+            if x.state is not AttemptState.NEVER_SENT and x.attempt_id not in self._fallbacks
+        )
 
     @property
     def first_delta_sent(self) -> bool:
@@ -629,7 +648,7 @@ class LogicalRequest:
         """Retries still allowed (the article's `retry_budget`)."""
         if self.phase is not Phase.PREFILL or self.final is not None:
             return 0
-        return max(0, self.max_attempts - self.counted)
+        return max(0, self.max_attempts - self.own_counted)
 
     @property
     def delivered_output_tokens(self) -> int:
@@ -833,7 +852,19 @@ class LogicalRequest:
                 refusal = holder_unavailable(self.parsed.previous_response_id, destinations.order[0], why)
                 decisions.append(RefuseAttempt(arrival.attempt_id, self._end_with(refusal)))
                 continue
-            if self.counted >= self.max_attempts:
+            model = destinations.fallback_model(arrival.replica) if destinations is not None else None
+            if model is not None:
+                cause = self._fallback_cause()
+                if self._fallback_refusal(cause) is not None:
+                    w.arrivals.pop(0)
+                    refusal = self._end_with(self._exhausted(previous))
+                    decisions.append(RefuseAttempt(arrival.attempt_id, refusal))
+                    continue
+                self._fallback_granting = (model, cause)
+                w.granting = w.arrivals.pop(0)
+                decisions.append(GrantLease(arrival.attempt_id, arrival.replica))
+                continue
+            if self.own_counted >= self.max_attempts:
                 w.arrivals.pop(0)
                 decisions.append(RefuseAttempt(arrival.attempt_id, self._end_with(self._exhausted(previous))))
                 continue
@@ -857,6 +888,9 @@ class LogicalRequest:
         if e.attempt_id in w.gone_while_granting:
             w.gone_while_granting.discard(e.attempt_id)
             return [DiscardLease(e.lease)]  # its stream went meanwhile: no attempt on record
+        fallback, self._fallback_granting = self._fallback_granting, None
+        if fallback is not None:
+            self._fallbacks[e.attempt_id] = fallback
         attempt = self._new_attempt(e.attempt_id, arrival.replica)
         attempt.lease = e.lease
         if self.placement is not None:
@@ -864,7 +898,7 @@ class LogicalRequest:
         w.lease_ttl[e.attempt_id] = e.ttl_seconds
         if not e.replica_side:
             w.connection_only.add(e.attempt_id)
-        return [ForwardAttempt(e.attempt_id)]
+        return [ForwardAttempt(e.attempt_id, fallback[0] if fallback is not None else None)]
 
     def _new_attempt(self, attempt_id: str, replica: str, *, leased: bool = True) -> Attempt:
         limits = self.policy.limits
@@ -909,8 +943,10 @@ class LogicalRequest:
             raise IllegalInput(f"request {self.request_id}: no retry of {e.attempt_id} is being placed")
         if self.final is not None or self.is_terminal:
             return self._route(attempt, [failed])  # the request ended meanwhile
-        if e.no_compatible_replica is not None:
-            verdict: TriggerRetry | FailRequest = self._end_with(
+        if e.no_compatible_replica is not None and self._fallback_next("no_compatible_replica"):
+            verdict: TriggerRetry | FailRequest = self._retry(attempt, failed)
+        elif e.no_compatible_replica is not None:
+            verdict = self._end_with(
                 FailRequest(
                     503,
                     Outcome.NO_COMPATIBLE_REPLICA,
@@ -951,6 +987,10 @@ class LogicalRequest:
                 elif self.claim is not ClaimState.REFUSED:  # nothing of a refused run is released
                     out.append(WriteAheadJournal(attempt.attempt_id))
             elif isinstance(d, a.Release):
+                if self.placement is not None:
+                    self.placement.succeeded(attempt.replica)
+                if attempt.attempt_id in self._fallbacks and attempt.first_delta:
+                    self._answered_by_fallback(attempt)
                 out.append(ReleaseAttempt(attempt.attempt_id, d.held_chunks))
                 if attempt.first_delta:
                     out.append(WatchPublisher(attempt.attempt_id))
@@ -973,8 +1013,12 @@ class LogicalRequest:
 
     def _verdict(self, attempt: Attempt, failed: a.Failed) -> list[Decision]:
         """The fate of a failed attempt: another attempt, or one error for the client."""
-        if self.placement is not None and attempt.status is not None:
-            self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
+        if self.placement is not None and attempt.attempt_id not in self._failures_told:
+            self._failures_told.add(attempt.attempt_id)
+            if attempt.status is not None:
+                self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
+            if self.phase is Phase.PREFILL and failed.reason is not a.FailureReason.LEASE_LOST:
+                self.placement.failed_before_content(attempt.replica)  # (a lost lease is etcd's failure)
         verdict: TriggerRetry | FailRequest
         if self.final is not None:
             verdict = self.final
@@ -1001,15 +1045,66 @@ class LogicalRequest:
                     "and the policy (uncertain_source_liveness.then: fail_request) allows no retry",
                 )
             )
-        elif self.counted < self.max_attempts:
+        elif attempt.attempt_id not in self._fallbacks and self.own_counted < self.max_attempts:
             if self.fingerprint_digest is not None:
                 # Pinned to a compatibility group: a retry needs a compatible replica to land on.
                 self._waiting.awaiting_placement[attempt.attempt_id] = failed
                 return [PlaceRetry(attempt.attempt_id)]
             verdict = self._retry(attempt, failed)
+        elif self._fallback_next(self._fallback_cause()):
+            verdict = self._retry(attempt, failed)  # Envoy's next entry is a fallback model's replica
         else:
             verdict = self._end_with(self._exhausted(attempt))
         return self._give(attempt, verdict)
+
+    # --- fallback (docs/design.md#fallback) ------------------------------------------------------------
+
+    def _fallback_cause(self) -> str:
+        """What the request's own model came to: the cause a fallback needs (policy fallback.causes)."""
+        own = [x for x in self.attempts if x.attempt_id not in self._fallbacks and x.failure is not None]
+        counted = [x for x in own if x.state is not AttemptState.NEVER_SENT]
+        if not counted:  # no attempt of its own model reached a replica
+            destinations = self.destinations
+            return (destinations.fallback_cause if destinations is not None else "") or "unavailable"
+        return "overloaded" if counted[-1].failure is a.FailureReason.OVERLOADED else "failed_before_content"
+
+    def _fallback_refusal(self, cause: str) -> str | None:
+        """Why no fallback model may answer now (None: one may). Never after the first delta (no attempt at
+        all may start then), never for a request whose state or tools bind it to its own model."""
+        fallback = self.policy.fallback
+        if self.retry_blocked is not None:
+            return self.retry_blocked
+        if self.tool_calls:
+            return "the request's tool calls went through the gateway: another model would act again"
+        if cause not in fallback.causes:
+            return f"fallback.causes does not allow a fallback when {cause}"
+        if len(self._fallbacks) >= fallback.max_attempts:
+            return f"its fallback attempts are used up (fallback.max_attempts {fallback.max_attempts})"
+        return None
+
+    def _fallback_next(self, cause: str) -> bool:
+        """Whether the order's next entries hold a fallback model's replica, and one may answer now."""
+        destinations = self.destinations
+        if destinations is None or len(self._fallbacks) >= len(destinations.fallback):
+            return False
+        return self._fallback_refusal(cause) is None
+
+    def _answered_by_fallback(self, attempt: Attempt) -> None:
+        model, cause = self._fallbacks[attempt.attempt_id]
+        causes = tuple(
+            f"attempt {x.number} on {x.replica}: {x.failure.value}"
+            for x in self.attempts
+            if x.failure is not None and x.attempt_id not in self._fallbacks
+        ) or (cause,)
+        self.answered_by_fallback = (model, causes)
+        self._emit(
+            EventName.ANSWERED_BY_FALLBACK,
+            attempt.number,
+            model=model,
+            requested_model=self.parsed.model,
+            reason=cause,
+            detail="; ".join(causes),
+        )
 
     def _give(self, attempt: Attempt, verdict: TriggerRetry | FailRequest) -> list[Decision]:
         """The verdict to its attempt. An error the attempt cannot carry (its stream is gone) goes to the

@@ -132,11 +132,20 @@ def rejection_body(rejected: RequestRejected, request_id: str, shape: ErrorShape
 
 # The number of attempts that reached a replica for the request (never where they went).
 ATTEMPTS_HEADER = "x-router-attempts"
+# The fallback model that answered instead of the one the client asked for (docs/design.md#fallback).
+FALLBACK_HEADER = "x-router-fallback"
 
 
 def request_id_headers(request: LogicalRequest) -> list[tuple[str, str]]:
-    """The headers of every answer to a request: its id, and how many attempts reached a replica."""
-    return [*id_headers(request.request_id, request.dialect.errors), (ATTEMPTS_HEADER, str(request.counted))]
+    """The headers of every answer to a request: its id, how many attempts reached a replica, and the
+    fallback model that answered, if one did."""
+    headers = [
+        *id_headers(request.request_id, request.dialect.errors),
+        (ATTEMPTS_HEADER, str(request.counted)),
+    ]
+    if request.answered_by_fallback is not None:
+        headers.append((FALLBACK_HEADER, request.answered_by_fallback[0]))
+    return headers
 
 
 def id_headers(request_id: str, shape: ErrorShape) -> list[tuple[str, str]]:
@@ -187,6 +196,11 @@ def journal_record(request: LogicalRequest) -> rec.JournalRecord:
         stored_response=(
             rec.StoredResponseRecord(id=stored[0], replica=stored[1])
             if (stored := request.stored_response) is not None
+            else None
+        ),
+        fallback=(
+            rec.FallbackRecord(model=answered[0], requested_model=parsed.model, causes=answered[1])
+            if (answered := request.answered_by_fallback) is not None
             else None
         ),
     )

@@ -26,10 +26,19 @@ from router_sidecar.coordination.registry_store import Replica
 from router_sidecar.coordination.store import StoreUnavailable
 from router_sidecar.core import request as r
 from router_sidecar.core import views
-from router_sidecar.core.destinations import PICKER_KEY, Destinations, choose, holder_only, picker_list
+from router_sidecar.core.destinations import (
+    GATEWAY,
+    PICKER_KEY,
+    Candidate,
+    Destinations,
+    choose,
+    holder_only,
+    picker_list,
+)
 from router_sidecar.core.dialects import ErrorShape, dialect_for
 from router_sidecar.core.events import Outcome
 from router_sidecar.core.openai_api import RequestRejected
+from router_sidecar.core.placement import BREAKER
 from router_sidecar.core.policy import ROUTE_POLICY_METADATA, Policy, PolicyError
 from router_sidecar.core.routes import LOOKUP_PREFIX, Probe, Route, RouteClass, classify, valid_key
 from router_sidecar.extproc import messages as m
@@ -242,6 +251,11 @@ class Inference(PassThrough):
             return only
         if services.discovery:
             pinned = choose_pin(services.liveness.routable, parsed.model)
+            known = parsed.model in services.liveness.models_ever_served
+            if pinned is None and known and (targets := self._fallback_targets(request, candidates)):
+                # Its model was registered but no replica of it can be sent to now (none healthy: their
+                # agents withdrew them; every one draining): the fallback's, if allowed.
+                return Destinations((), GATEWAY).with_fallback(targets, 0, "unavailable")
             if pinned is None:
                 served = sorted({x.fingerprint.model_id or "?" for x in services.liveness.routable.values()})
                 if not served:
@@ -262,23 +276,61 @@ class Inference(PassThrough):
             # Every attempt of this request goes to this compatibility group only (subset load balancing).
             _pin(request, pinned)
         turn = next(services.turns)
+        targets = self._fallback_targets(request, candidates) if services.discovery else []
         candidates, ranking = services.placement.ranking(candidates, parsed.prefix_blocks)
         destinations = choose(
             candidates, pinned=request.fingerprint_digest, picker=self._picker, turn=turn, ranking=ranking
         )
+        if targets:
+            cause = "" if destinations.order else "unavailable"
+            destinations = destinations.with_fallback(targets, request.max_attempts, cause)
         if destinations.overloaded_for is not None:
-            # Every replica it could go to said it is overloaded, for a while yet: no attempt is made.
+            # Every replica it could go to is ejected, for a while yet: no attempt is made.
             retry_after = max(1, math.ceil(destinations.overloaded_for))
-            error = r.FailRequest(
-                429,
-                Outcome.REPLICAS_OVERLOADED,
-                f"every replica that serves model {parsed.model!r} answered 429 or 503 with Retry-After "
-                f"(overloaded); the first is back in {retry_after} s: try again then",
-                retry_after=str(retry_after),
-            )
+            if destinations.ejected_by == BREAKER:
+                error = r.FailRequest(
+                    503,
+                    Outcome.NO_REPLICA_AVAILABLE,
+                    f"every replica that serves model {parsed.model!r} failed before content too often in a "
+                    f"row (its circuit is open, placement.breaker_failures); the first is tried again in "
+                    f"{retry_after} s",
+                    retry_after=str(retry_after),
+                )
+            else:
+                error = r.FailRequest(
+                    429,
+                    Outcome.REPLICAS_OVERLOADED,
+                    f"every replica that serves model {parsed.model!r} answered 429 or 503 with Retry-After "
+                    f"(overloaded); the first is back in {retry_after} s: try again then",
+                    retry_after=str(retry_after),
+                )
             self._journal_refusal(request, error, destinations)
             return self._immediate(request, error)
         return destinations
+
+    def _fallback_targets(
+        self, request: r.LogicalRequest, candidates: list[Candidate]
+    ) -> list[tuple[str, str]]:
+        """(address, model) of the fallback models' replicas a fallback attempt may go to, in the policy's
+        order of models (policy fallback; replicas from the registry: each names its model)."""
+        fallback, liveness = request.policy.fallback, self._services.liveness
+        if not fallback.models or request.retry_blocked is not None:
+            return []
+        usable, _ = self._services.placement.ranking(candidates, ())
+        usable_addresses = {c.address for c in usable if not c.why_not}
+        targets: list[tuple[str, str]] = []
+        for model in fallback.models:
+            if model == request.parsed.model:
+                continue
+            group = choose_pin(liveness.routable, model)
+            if group is None:
+                continue
+            targets += [
+                (address, model)
+                for address, replica in sorted(liveness.routable.items())
+                if replica.digest == group.digest and address in usable_addresses
+            ]
+        return targets[: fallback.max_attempts]
 
     def _journal_refusal(
         self, request: r.LogicalRequest, error: r.FailRequest, destinations: Destinations

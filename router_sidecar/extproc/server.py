@@ -27,6 +27,7 @@ from router_sidecar.extproc.discovery import EndpointDiscovery
 from router_sidecar.extproc.downstream import DownstreamStream
 from router_sidecar.extproc.parsing import RequestParser
 from router_sidecar.extproc.registry import Registry
+from router_sidecar.extproc.rewriter import rewrite_model
 from router_sidecar.extproc.services import Services
 from router_sidecar.extproc.upstream import UpstreamStream
 from router_sidecar.telemetry.observer import Telemetry
@@ -50,6 +51,8 @@ class ExternalProcessor:
             await DownstreamStream(self._services).run(context)
         elif placement == "upstream":
             await UpstreamStream(self._services).run(context)
+        elif placement == "rewriter":
+            await rewrite_model(context)
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -24,6 +24,7 @@ from router_sidecar.core import request as r
 from router_sidecar.core import views
 from router_sidecar.extproc import messages as m
 from router_sidecar.extproc.registry import Live
+from router_sidecar.extproc.rewriter import FALLBACK_MODEL_HEADER
 from router_sidecar.extproc.services import Services
 from router_sidecar.records import codec
 from router_sidecar.records import records_pb2 as rec
@@ -85,9 +86,12 @@ class UpstreamStream:
         if isinstance(admission, r.RefuseAttempt):
             await context.write(self._refusal(live, admission.error))
             return
-        await self._forward(context, live, replica)
+        assert isinstance(admission, r.ForwardAttempt)
+        await self._forward(context, live, replica, admission.model)
 
-    async def _forward(self, context: grpc.aio.ServicerContext, live: Live, replica: str) -> None:
+    async def _forward(
+        self, context: grpc.aio.ServicerContext, live: Live, replica: str, fallback_model: str | None
+    ) -> None:
         request, attempt_id = live.request, self._attempt_id
         attempt = request.attempt(attempt_id)
         assert attempt is not None
@@ -110,7 +114,11 @@ class UpstreamStream:
         self.tracked = self._services.progress.track(attempt_id, progress_gap)
         sent = False
         try:
-            await context.write(m.request_headers_reply(m.header_mutation(codec.to_headers(attempt_headers))))
+            headers = codec.to_headers(attempt_headers)
+            if fallback_model is not None:
+                # The rewriter placement, next in the chain, sends this attempt the body naming that model.
+                headers.append((FALLBACK_MODEL_HEADER, fallback_model))
+            await context.write(m.request_headers_reply(m.header_mutation(headers)))
             sent = True  # from here the replica may have the request
             await self._hold(context, live)
         except asyncio.CancelledError:

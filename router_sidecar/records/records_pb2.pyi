@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JournalRecord(_message.Message):
-    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts", "destinations", "stored_response")
+    __slots__ = ("request_id", "phase", "outcome", "attempt", "first_delta_sent", "model", "model_revision", "fingerprint_digest", "retry_budget", "delivered_output_tokens", "delivered_output_tokens_source", "attempts", "tool_calls", "input", "tool_calls_not_listed", "gateway", "owner", "events", "trace", "updated_at", "envoy_attempts", "destinations", "stored_response", "fallback")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class JournalRecord(_message.Message):
     ENVOY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: str
     outcome: str
@@ -56,7 +57,18 @@ class JournalRecord(_message.Message):
     envoy_attempts: int
     destinations: DestinationsRecord
     stored_response: StoredResponseRecord
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ..., destinations: _Optional[_Union[DestinationsRecord, _Mapping]] = ..., stored_response: _Optional[_Union[StoredResponseRecord, _Mapping]] = ...) -> None: ...
+    fallback: FallbackRecord
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., outcome: _Optional[str] = ..., attempt: _Optional[int] = ..., first_delta_sent: _Optional[bool] = ..., model: _Optional[str] = ..., model_revision: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., retry_budget: _Optional[int] = ..., delivered_output_tokens: _Optional[int] = ..., delivered_output_tokens_source: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., input: _Optional[_Union[InputRecord, _Mapping]] = ..., tool_calls_not_listed: _Optional[int] = ..., gateway: _Optional[str] = ..., owner: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JournalEvent, _Mapping]]] = ..., trace: _Optional[str] = ..., updated_at: _Optional[float] = ..., envoy_attempts: _Optional[int] = ..., destinations: _Optional[_Union[DestinationsRecord, _Mapping]] = ..., stored_response: _Optional[_Union[StoredResponseRecord, _Mapping]] = ..., fallback: _Optional[_Union[FallbackRecord, _Mapping]] = ...) -> None: ...
+
+class FallbackRecord(_message.Message):
+    __slots__ = ("model", "requested_model", "causes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CAUSES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    requested_model: str
+    causes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., requested_model: _Optional[str] = ..., causes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StoredResponseRecord(_message.Message):
     __slots__ = ("id", "replica")
@@ -167,7 +179,7 @@ class InputRecord(_message.Message):
     def __init__(self, route: _Optional[str] = ..., digest: _Optional[str] = ..., seed: _Optional[int] = ..., stream: _Optional[bool] = ..., estimated_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class JournalEvent(_message.Message):
-    __slots__ = ("t", "event", "attempt", "attempt_id", "replica", "reason", "cause", "detail", "status", "proof", "waited_ms", "delivered_output_tokens", "outcome", "key", "code", "stored", "response_flags", "details", "route", "model", "stream", "seed", "input_digest", "estimated_prompt_tokens", "retry_allowed", "owner", "closed_by", "count")
+    __slots__ = ("t", "event", "attempt", "attempt_id", "replica", "reason", "cause", "detail", "status", "proof", "waited_ms", "delivered_output_tokens", "outcome", "key", "code", "stored", "response_flags", "details", "route", "model", "stream", "seed", "input_digest", "estimated_prompt_tokens", "retry_allowed", "owner", "closed_by", "count", "requested_model")
     T_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +208,7 @@ class JournalEvent(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     t: float
     event: str
     attempt: int
@@ -224,7 +237,8 @@ class JournalEvent(_message.Message):
     owner: str
     closed_by: str
     count: int
-    def __init__(self, t: _Optional[float] = ..., event: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_id: _Optional[str] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., status: _Optional[int] = ..., proof: _Optional[str] = ..., waited_ms: _Optional[float] = ..., delivered_output_tokens: _Optional[int] = ..., outcome: _Optional[str] = ..., key: _Optional[str] = ..., code: _Optional[str] = ..., stored: _Optional[bool] = ..., response_flags: _Optional[_Iterable[str]] = ..., details: _Optional[str] = ..., route: _Optional[str] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., seed: _Optional[int] = ..., input_digest: _Optional[str] = ..., estimated_prompt_tokens: _Optional[int] = ..., retry_allowed: _Optional[bool] = ..., owner: _Optional[str] = ..., closed_by: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    requested_model: str
+    def __init__(self, t: _Optional[float] = ..., event: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_id: _Optional[str] = ..., replica: _Optional[str] = ..., reason: _Optional[str] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., status: _Optional[int] = ..., proof: _Optional[str] = ..., waited_ms: _Optional[float] = ..., delivered_output_tokens: _Optional[int] = ..., outcome: _Optional[str] = ..., key: _Optional[str] = ..., code: _Optional[str] = ..., stored: _Optional[bool] = ..., response_flags: _Optional[_Iterable[str]] = ..., details: _Optional[str] = ..., route: _Optional[str] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., seed: _Optional[int] = ..., input_digest: _Optional[str] = ..., estimated_prompt_tokens: _Optional[int] = ..., retry_allowed: _Optional[bool] = ..., owner: _Optional[str] = ..., closed_by: _Optional[str] = ..., count: _Optional[int] = ..., requested_model: _Optional[str] = ...) -> None: ...
 
 class GatewayErrorBody(_message.Message):
     __slots__ = ("error",)

@@ -382,6 +382,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         routes = load_route_policies(args.policy, policy)
     except (PolicyError, OSError) as exc:
         return _fail(f"--policy {args.policy}: {exc}", args.command)
+    if policy.fallback.models and getattr(args, "replica", None) and args.command in ("gateway", "serve"):
+        # A fallback needs to know which replica serves which model: the registry says, --replica does not.
+        return _fail(
+            f"--policy {args.policy}: fallback.models needs replicas from the registry (router-sidecar "
+            "replica agents, which register each engine's model); with --replica no replica has a model to "
+            "fall back to. Drop --replica, or remove fallback.models",
+            args.command,
+        )
     if args.command == "envoy-config":
         return _envoy_config(args, policy, routes)
     from router_sidecar.runtime.gateway import GatewayError, GatewayOptions, run_gateway, run_sidecar_only

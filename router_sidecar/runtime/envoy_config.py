@@ -141,6 +141,11 @@ def num_retries(max_attempts: int) -> int:
     return (max_attempts - 1) + max_attempts
 
 
+def _fallback_attempts(policy: Policy) -> int:
+    """Attempts on fallback models a request may make beyond its own max_attempts (policy fallback)."""
+    return policy.fallback.max_attempts if policy.fallback.models else 0
+
+
 def _seconds(value: float) -> str:
     # Envoy's Duration strings are seconds with a fraction ("0.2s"), not "200ms".
     return f"{value:g}s"
@@ -164,7 +169,7 @@ def render(spec: GatewaySpec) -> str:
         # Admission may wait for a duplicate tool call in progress (tools.in_progress_wait_seconds).
         "admission_timeout": _seconds(ADMISSION_MARGIN_SECONDS + p.tools.in_progress_wait_seconds),
         "connect_timeout": _seconds(p.deadlines.connect_seconds),
-        "num_retries": num_retries(p.before_first_delta.max_attempts),
+        "num_retries": num_retries(p.before_first_delta.max_attempts + _fallback_attempts(p)),
         "upstream_idle_timeout": _seconds(p.upstream_connections.idle_timeout_seconds),
         "retry_limits": _retry_limits(p),
         "held_limit_bytes": p.limits.max_held_response_bytes,
@@ -454,7 +459,7 @@ def _overlay_route(catch_all: dict[str, Any], overlay: RouteOverlay) -> dict[str
         "prefix": "/",
         "headers": [{"name": overlay.header, "string_match": {"exact": overlay.value}}],
     }
-    retries = num_retries(overlay.policy.before_first_delta.max_attempts)
+    retries = num_retries(overlay.policy.before_first_delta.max_attempts + _fallback_attempts(overlay.policy))
     route["route"]["retry_policy"]["num_retries"] = retries
     route["typed_per_filter_config"] = {
         "envoy.filters.http.ext_proc": {

@@ -318,6 +318,9 @@ class Telemetry:
             elif name is EventName.ATTEMPT_FENCED and isinstance(record.get("proof"), str):
                 waited = float(record.get("waited_ms") or 0.0) / 1000
                 self.fence_duration.record(waited, {"proof": record["proof"]})
+            elif name is EventName.ANSWERED_BY_FALLBACK:
+                # The model that answered (a policy's name: bounded), beside the one asked for.
+                traced.attributes["gen_ai.response.model"] = str(record.get("model"))[:MAX_MODEL_LABEL]
             elif name is EventName.RETRY_TRIGGERED:
                 self.retries.add(1, {"reason": str(record.get("reason"))})
             elif name is EventName.RETRY_REFUSED:

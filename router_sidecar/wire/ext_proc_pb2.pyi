@@ -112,10 +112,12 @@ class HeaderMutation(_message.Message):
     def __init__(self, set_headers: _Optional[_Iterable[_Union[_core_pb2.HeaderValueOption, _Mapping]]] = ..., remove_headers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BodyMutation(_message.Message):
-    __slots__ = ("streamed_response",)
+    __slots__ = ("body", "streamed_response")
+    BODY_FIELD_NUMBER: _ClassVar[int]
     STREAMED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
     streamed_response: StreamedBodyResponse
-    def __init__(self, streamed_response: _Optional[_Union[StreamedBodyResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, body: _Optional[bytes] = ..., streamed_response: _Optional[_Union[StreamedBodyResponse, _Mapping]] = ...) -> None: ...
 
 class StreamedBodyResponse(_message.Message):
     __slots__ = ("body", "end_of_stream")

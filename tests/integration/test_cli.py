@@ -88,6 +88,26 @@ def test_a_policy_that_is_not_yaml_is_one_line_too(tmp_path: Path) -> None:
     assert "is not valid YAML" in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_a_fallback_with_static_replicas_is_refused_before_etcd_is_asked(tmp_path: Path) -> None:
+    # --replica says nothing of the models replicas serve: a fallback would never happen (inert config).
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("fallback:\n  models: [big]\n")
+    result = run_cli(
+        "gateway",
+        "--listen",
+        "127.0.0.1:1",
+        "--replica",
+        "127.0.0.1:9",
+        "--etcd",
+        f"127.0.0.1:{free_port()}",
+        "--policy",
+        str(policy),
+    )
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "fallback.models needs replicas from the registry" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 def test_bad_replica_address_is_rejected_by_the_parser() -> None:
     result = run_cli(
         "gateway", "--listen", "127.0.0.1:1", "--replica", "no-port-here", "--etcd", "127.0.0.1:1"

@@ -15,10 +15,25 @@ from router_sidecar.core.attempt import FailRequest, ResponseHeaders, StreamRese
 from router_sidecar.core.destinations import HOLDER, Candidate, Destinations, Ranking, choose
 from router_sidecar.core.events import EventName, Outcome
 from router_sidecar.core.openai_api import RouteKind, parse_request, prompt_blocks
-from router_sidecar.core.placement import Ejection, Ejections, Placement, PrefixIndex, retry_after_seconds
+from router_sidecar.core.placement import (
+    CONNECT,
+    OVERLOAD,
+    Ejection,
+    Ejections,
+    Placement,
+    PrefixIndex,
+    retry_after_seconds,
+)
 from router_sidecar.core.policy import DEFAULT_POLICY, Policy, policy_from_mapping
-from router_sidecar.core.request import Admitted, AttemptArrived, LogicalRequest, RefuseAttempt
-from tests.unit.test_request import SSE, begin, fa, failed, parsed, settle_claim
+from router_sidecar.core.request import (
+    Admitted,
+    AttemptArrived,
+    ForwardAttempt,
+    GrantLease,
+    LogicalRequest,
+    RefuseAttempt,
+)
+from tests.unit.test_request import SSE, begin, fa, failed, grant, parsed, settle_claim
 
 BLOCK = 32
 
@@ -131,9 +146,9 @@ def test_retry_after_seconds_and_dates() -> None:
 
 def test_a_hard_ejection_is_not_shortened_and_lapses() -> None:
     ejections = Ejections()
-    ejections.eject("a", Ejection(10, "429", hard=True))
-    ejections.eject("a", Ejection(20, "connect", hard=False))
-    ejections.eject("a", Ejection(5, "shorter", hard=True))
+    ejections.eject("a", Ejection(10, "429", OVERLOAD))
+    ejections.eject("a", Ejection(20, "connect", CONNECT))
+    ejections.eject("a", Ejection(5, "shorter", OVERLOAD))
     assert ejections.active(1)["a"].why == "429"
     assert ejections.active(10) == {}
 
@@ -352,3 +367,88 @@ def test_only_what_is_hashed_is_serialized() -> None:
     assert blocks("chat.completions", chat(*turns), max_blocks=4) == blocks(
         "chat.completions", chat(*turns[:2]), max_blocks=4
     )
+
+
+# --- the circuit breaker -------------------------------------------------------------------------------
+
+
+BREAKER_POLICY = policy_from_mapping(
+    {"placement": {"breaker_failures": 3, "breaker_open_seconds": 2, "breaker_max_open_seconds": 5}}
+)
+
+
+def test_failures_in_a_row_open_the_circuit_which_doubles_and_a_success_closes_it() -> None:
+    book, clock = placement(BREAKER_POLICY)
+    for _ in range(2):
+        book.failed_before_content("a:1")
+    marked, _ = book.ranking(CANDIDATES, ())
+    assert not marked[0].why_not  # two in a row: still closed
+    book.failed_before_content("a:1")
+    marked, _ = book.ranking(CANDIDATES, ())
+    assert marked[0].why_not.startswith("ejected for 2.0 s more: circuit open: 3 attempts in a row")
+    assert marked[0].ejected_by == "breaker"
+    clock.now += 2.01
+    marked, _ = book.ranking(CANDIDATES, ())
+    assert not marked[0].why_not  # tried again
+    book.failed_before_content("a:1")  # the trial failed: open again, twice as long
+    clock.now += 3.9
+    assert book.ranking(CANDIDATES, ())[0][0].why_not
+    clock.now += 0.2
+    book.failed_before_content("a:1")  # capped at 5 s
+    clock.now += 5.01
+    assert not book.ranking(CANDIDATES, ())[0][0].why_not
+    book.succeeded("a:1")
+    book.failed_before_content("a:1")
+    assert not book.ranking(CANDIDATES, ())[0][0].why_not  # one success closed it: counting from 0
+
+
+def test_every_circuit_open_is_no_order_and_the_shortest_time_left() -> None:
+    book, clock = placement(BREAKER_POLICY)
+    for address in ("a:1", "b:1", "c:1"):
+        for _ in range(3):
+            book.failed_before_content(address)
+        clock.now += 0.5
+    marked, ranking = book.ranking(CANDIDATES, ())
+    destinations = choose(marked, pinned=None, ranking=ranking)
+    assert destinations.order == () and destinations.ejected_by == "breaker"
+    assert destinations.overloaded_for == pytest.approx(0.5)
+
+
+def test_no_breaker_by_default() -> None:
+    book, _ = placement()
+    for _ in range(100):
+        book.failed_before_content("a:1")
+    assert all(not c.why_not for c in book.ranking(CANDIDATES, ())[0])
+
+
+def test_the_machine_counts_failures_before_content_and_successes() -> None:
+    book, _ = placement(BREAKER_POLICY)
+    for _ in range(3):
+        request = LogicalRequest(
+            request_id="r", tenant="t", parsed=parsed(), policy=BREAKER_POLICY, placement=book
+        )
+        request.handle(Admitted())
+        settle_claim(request)
+        failed(request, ResponseHeaders(200, SSE), StreamReset())  # on r1 (the helper's replica)
+    assert book.ranking([Candidate("r1")], ())[0][0].ejected_by == "breaker"
+
+
+def test_a_failure_whose_verdict_waited_for_the_claim_is_counted_once() -> None:
+    """The first attempt may fail before the request's journal claim settled: its verdict waits and is
+    given again once the claim is back. The breaker counts that failure once (it counted it twice, so one
+    503 opened a circuit of breaker_failures 2)."""
+    policy = policy_from_mapping({"placement": {"breaker_failures": 2, "breaker_open_seconds": 2}})
+    book, _ = placement(policy)
+    request = LogicalRequest(request_id="r", tenant="t", parsed=parsed(), policy=policy, placement=book)
+    request.handle(Admitted())  # the claim is pending
+    assert request.handle(AttemptArrived("att-1", "r1")) == [GrantLease("att-1", "r1")]
+    assert grant(request, "att-1") == [ForwardAttempt("att-1")]
+    attempt = request.attempt("att-1")
+    assert attempt is not None
+    fa(request, attempt, ResponseHeaders(503, "application/json"))
+    assert attempt.verdict is None  # waiting for the claim
+    settle_claim(request)
+    assert isinstance(attempt.verdict, TriggerRetry)
+    assert not book.ranking([Candidate("r1")], ())[0][0].why_not  # one failure: still closed
+    book.failed_before_content("r1")
+    assert book.ranking([Candidate("r1")], ())[0][0].ejected_by == "breaker"  # the second opens it

@@ -546,6 +546,8 @@ def wrong_values(kind: Any) -> list[Any]:
         return [None, "no_such_value", list(allowed), *spelled, *ints]
     if origin is frozenset:
         return [get_args(get_args(kind)[0])[0], None, {"a": 1}]
+    if origin is tuple:
+        return ["name", None, {"a": 1}, [1], [""], ["a", "a"]]
     if origin in (Union, types.UnionType):
         return [v for option in get_args(kind) if option is not type(None) for v in wrong_values(option)]
     raise AssertionError(f"no wrong values for {kind!r}: extend this test")
