@@ -93,6 +93,9 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
                 f"{gateway.url}/v1/chat/completions",
                 chat(max_tokens=4),
                 headers={"idempotency-key": key, "x-sim-fault": "delay@role for=1.5"},
+                # Lost, fenced by lease expiry, retried: ~5 s here, but once >30 s with no byte on a busy CI
+                # machine (a read timeout said nothing more); the journal below tells what took long.
+                timeout=90,
             ),
         )
     )
@@ -102,7 +105,8 @@ def test_frozen_before_first_delta_is_fenced_then_retried(cluster: tuple[Gateway
     frozen.child.signal(signal.SIGSTOP)
     frozen_at = time.time()
     try:
-        client.join(30)
+        client.join(95)
+        assert "r" in result, gateway.wait_journal(key, lambda j: True)
         answer = result["r"]
     finally:
         frozen.child.signal(signal.SIGCONT)
