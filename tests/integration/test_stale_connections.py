@@ -37,7 +37,11 @@ KEEP_ALIVE = 0.6  # the replicas' idle close in the keep-alive test (seconds)
 # sidecar still holds the next request's headers.
 CLOSE_AFTER = 0.005
 MAX_ROUNDS = 4  # bursts until the race was seen at least once (bounded)
-UNBOUNDED_BUDGET = "budgets:\n  retry_budget_percent: 100\n  min_retry_concurrency: 1000\n"
+# Neither the cluster's budget nor the tenant's (every request here is one tenant's) refuses a retry.
+UNBOUNDED_BUDGET = (
+    "budgets:\n  retry_budget_percent: 100\n  min_retry_concurrency: 1000\n"
+    "  tenant_retry_budget_percent: 100\n  tenant_min_retry_concurrency: 1000\n"
+)
 
 
 def fault_of(i: int) -> str | None:
