@@ -221,10 +221,11 @@ def keep_alive_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         pool.stop()
 
 
-def waves(rng: random.Random, count: int, size: int, gap: float, jitter: float) -> list[float]:
-    """`count` waves of `size` requests, `gap` seconds apart, each request up to `jitter` late: between waves
-    the pooled connections sit idle for about `gap` minus a request's duration."""
-    return sorted(w * gap + rng.uniform(0, jitter) for w in range(count) for _ in range(size))
+def waves(rng: random.Random, gaps: list[float], size: int, jitter: float) -> list[float]:
+    """A wave of `size` requests, then one more after each of `gaps` (seconds), each request up to `jitter`
+    late: between waves the pooled connections sit idle for about the gap minus a request's duration."""
+    starts = [sum(gaps[:w]) for w in range(len(gaps) + 1)]
+    return sorted(start + rng.uniform(0, jitter) for start in starts for _ in range(size))
 
 
 def test_connections_are_closed_before_the_replicas_keep_alive(
@@ -236,7 +237,9 @@ def test_connections_are_closed_before_the_replicas_keep_alive(
     gateway = gateway_for(etcd, keep_alive_pool, tmp_path, policy)
     before = {n: p.stats.closed_idle for n, p in keep_alive_pool.proxies.items()}
     try:
-        evidence = run_load(gateway, keep_alive_pool, "idle", waves(random.Random(5), 6, 6, KEEP_ALIVE, 0.1))
+        evidence = run_load(
+            gateway, keep_alive_pool, "idle", waves(random.Random(5), [KEEP_ALIVE] * 5, 6, 0.1)
+        )
         problems = [p for ev in evidence for p in problems_of(ev)]
         assert not problems, f"{len(problems)} problems among {len(evidence)} requests:\n" + "\n".join(
             problems
@@ -253,7 +256,12 @@ def test_with_connections_kept_past_the_keep_alive_the_race_costs_nothing(
     etcd: str, keep_alive_pool: Pool, tmp_path: Path
 ) -> None:
     """Envoy's idle timeout above the replicas' keep-alive (as with Envoy's default of an hour): requests
-    meet the replicas' close; each such attempt is journaled and retried without using the request's retry."""
+    meet the replicas' close; each such attempt is journaled and retried, uncounted when the close came
+    before the sidecar let its request go.
+
+    Which side of the release the close lands on is timing (the hold is about a millisecond): on a busy
+    machine CI saw 144 requests without an uncounted one. The test of replicas closing after each response
+    proves the uncounted case; here at least one request must meet the close, on either side."""
     policy = "upstream_connections:\n  idle_timeout_seconds: 30\n" + UNBOUNDED_BUDGET
     gateway = gateway_for(etcd, keep_alive_pool, tmp_path, policy)
     before = sum(p.stats.closed_idle for p in keep_alive_pool.proxies.values())
@@ -261,13 +269,15 @@ def test_with_connections_kept_past_the_keep_alive_the_race_costs_nothing(
         rng = random.Random(8)
         seen_race, problems, total, lost = 0, [], 0, []
         for round_ in range(MAX_ROUNDS):
-            # Waves a little more than the keep-alive apart: a wave's first requests meet the replicas' close.
-            delays = waves(rng, 6, 6, KEEP_ALIVE + 0.07, 0.08)
+            # Waves a little more than the keep-alive plus a request's duration apart, so that some requests
+            # meet the replicas' close. A request takes longer on a busy machine: the gaps sweep 20-320 ms
+            # past the keep-alive, so some wave lands on the close whatever the duration.
+            delays = waves(rng, [KEEP_ALIVE + 0.02 + 0.05 * k for k in range(7)], 6, 0.08)
             evidence = run_load(gateway, keep_alive_pool, f"kept{round_}", delays)
             total += len(evidence)
             problems += [p for ev in evidence for p in problems_of(ev, lost_on_the_wire=lost)]
             seen_race += not_sent(evidence)
-            if seen_race:
+            if seen_race or lost:
                 break
         closed = sum(p.stats.closed_idle for p in keep_alive_pool.proxies.values()) - before
         print(
@@ -277,6 +287,6 @@ def test_with_connections_kept_past_the_keep_alive_the_race_costs_nothing(
         )
         assert not problems, f"{len(problems)} problems among {total} requests:\n" + "\n".join(problems)
         assert closed > 0
-        assert seen_race >= 1, f"no attempt met the replicas' idle close in {total} requests"
+        assert seen_race + len(lost) >= 1, f"no attempt met the replicas' idle close in {total} requests"
     finally:
         gateway.stop()
