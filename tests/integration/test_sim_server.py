@@ -322,6 +322,31 @@ def test_replica_filter(sim: SimProcess) -> None:
     assert isinstance(err, ConnectionResetError) and stream_events(raw)[1] == []
 
 
+def test_model_filter_fires_only_on_replicas_serving_that_model(
+    sim: SimProcess, spawn_sim: Callable[..., SimProcess]
+) -> None:
+    """`model=` selects by the model a replica serves (its --model): one header fails every replica of
+    tiny and none of big's, as the drill's fallback scenario needs. The log names each replica's model."""
+    big = spawn_sim("big", "--model", "big")
+    fault = {"x-sim-fault": "status503@headers model=tiny"}
+    on_tiny, on_big = rid(), rid()
+    with httpx.Client(timeout=IO_TIMEOUT) as client:
+        tiny_answer = client.post(
+            sim.url + CHAT, json=chat_body(), headers={**fault, "x-request-id": on_tiny}
+        )
+        big_answer = client.post(
+            big.url + CHAT, json=chat_body(2, model="big"), headers={**fault, "x-request-id": on_big}
+        )
+    assert tiny_answer.status_code == 503 and big_answer.status_code == 200
+    tiny_end, big_end = end_record(sim, on_tiny), end_record(big, on_big)
+    assert (tiny_end["model"], tiny_end["outcome"], tiny_end["faults_fired"]) == (
+        "tiny",
+        "fault:status503",
+        ["status503@headers"],
+    )
+    assert (big_end["model"], big_end["outcome"], big_end["faults_fired"]) == ("big", "completed", [])
+
+
 def test_error_after_1_is_vllm_inband_error(sim: SimProcess) -> None:
     raw, err = run_raw(sim.port, CHAT, chat_body(4), {"x-sim-fault": "error@after:1"})
     assert err is None

@@ -6,18 +6,19 @@ Pure: no I/O. Grammar (one or more ``;``-separated clauses)::
     clause   := ACTION "@" POINT (" " MODIFIER)*
     ACTION   := exit | reset | stall | close | error | abort | stop | status503 | status429 | oversize | delay
     POINT    := tool | headers | role | token:N | after:N | done | terminal   (N >= 1)
-    MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | for=SECONDS | bytes=N
-              | retry_after=SECONDS | retry_after=date:SECONDS
+    MODIFIER := attempt=K[,K...] | replica=NAME[,NAME...] | model=NAME[,NAME...] | for=SECONDS
+              | bytes=N | retry_after=SECONDS | retry_after=date:SECONDS
 
-``for`` is only accepted on ``stall`` (optional: stall that long, then continue) and ``delay``
-(required). ``status503`` and ``status429`` are only accepted at ``@headers``, and only they take
-``retry_after``: their reply then carries a ``Retry-After`` header, ``retry_after=2`` as delta-seconds
-(``Retry-After: 2``; whole seconds >= 0), ``retry_after=date:2`` as the HTTP-date that many seconds after the
-reply, rounded up to the whole second (``Retry-After: Fri, 04 Dec 2026 21:08:30 GMT``); without it no
-``Retry-After`` is sent. ``oversize`` only at ``@token:N`` (``bytes=`` is its size, default
-:data:`DEFAULT_OVERSIZE_BYTES`). ``abort`` and ``stop`` take effect at the next content event boundary
-(``abort@after:2`` ends with event 3). Anything else is a :class:`FaultSpecError` naming the bad clause, so
-that a typo in a test fails loudly instead of silently running clean.
+``model=`` selects the replicas serving one of those models (their ``--model``): a fault on every replica of
+one model and on none of another, as a fallback to another model needs. ``for`` is only accepted on ``stall``
+(optional: stall that long, then continue) and ``delay`` (required). ``status503`` and ``status429`` are only
+accepted at ``@headers``, and only they take ``retry_after``: their reply then carries a ``Retry-After``
+header, ``retry_after=2`` as delta-seconds (``Retry-After: 2``; whole seconds >= 0), ``retry_after=date:2`` as
+the HTTP-date that many seconds after the reply, rounded up to the whole second (``Retry-After: Fri, 04 Dec
+2026 21:08:30 GMT``); without it no ``Retry-After`` is sent. ``oversize`` only at ``@token:N`` (``bytes=`` is
+its size, default :data:`DEFAULT_OVERSIZE_BYTES`). ``abort`` and ``stop`` take effect at the next content
+event boundary (``abort@after:2`` ends with event 3). Anything else is a :class:`FaultSpecError` naming the
+bad clause, so that a typo in a test fails loudly instead of silently running clean.
 
 The same names work on every API the simulator serves (chat completions, completions, the Responses API,
 the Messages API); what each does there is :mod:`router_testbed.sim.server`'s and ``docs/simulator.md``'s
@@ -75,7 +76,7 @@ HEADER = "x-sim-fault"
 DEFAULT_OVERSIZE_BYTES = 2 * 1024 * 1024
 MAX_OVERSIZE_BYTES = 64 * 1024 * 1024
 MAX_RETRY_AFTER_SECONDS = 86400
-_MODIFIERS = ("attempt", "replica", "for", "bytes", "retry_after")
+_MODIFIERS = ("attempt", "replica", "model", "for", "bytes", "retry_after")
 
 
 class FaultSpecError(ValueError):
@@ -134,6 +135,7 @@ class Clause:
     point: Point
     attempts: frozenset[int] | None = None
     replicas: frozenset[str] | None = None
+    models: frozenset[str] | None = None  # only on a replica serving one of these models
     duration: float | None = None
     size: int | None = None  # oversize: bytes of the event's text
     raw: str = field(default="", compare=False)
@@ -142,13 +144,16 @@ class Clause:
     def label(self) -> str:
         return f"{self.action}@{self.point}"
 
-    def applies_to(self, *, attempt: int | None, replica: str) -> bool:
-        """Whether the clause's ``attempt=``/``replica=`` filters select this request on this replica.
+    def applies_to(self, *, attempt: int | None, replica: str, model: str | None = None) -> bool:
+        """Whether the clause's ``attempt=``/``replica=``/``model=`` filters select this request on this
+        replica (serving ``model``).
 
         A clause with ``attempt=`` never applies to a request without a parseable
         ``x-envoy-attempt-count`` header.
         """
         if self.attempts is not None and (attempt is None or attempt not in self.attempts):
+            return False
+        if self.models is not None and model not in self.models:
             return False
         return self.replicas is None or replica in self.replicas
 
@@ -173,10 +178,10 @@ def _parse_ints(value: str, clause: str) -> frozenset[int]:
     return frozenset(int(v) for v in items)
 
 
-def _parse_names(value: str, clause: str) -> frozenset[str]:
+def _parse_names(key: str, value: str, clause: str) -> frozenset[str]:
     items = [v.strip() for v in value.split(",")]
     if not items or any(not v for v in items):
-        raise FaultSpecError(clause, f"replica={value!r} must be a comma-separated list of names")
+        raise FaultSpecError(clause, f"{key}={value!r} must be a comma-separated list of names")
     return frozenset(items)
 
 
@@ -220,6 +225,7 @@ def parse_clause(text: str) -> Clause:
     point = _parse_point(point_text, clause)
     attempts: frozenset[int] | None = None
     replicas: frozenset[str] | None = None
+    models: frozenset[str] | None = None
     duration: float | None = None
     size: int | None = None
     retry_after: RetryAfter | None = None
@@ -230,7 +236,9 @@ def parse_clause(text: str) -> Clause:
         if key == "attempt" and attempts is None:
             attempts = _parse_ints(value, clause)
         elif key == "replica" and replicas is None:
-            replicas = _parse_names(value, clause)
+            replicas = _parse_names(key, value, clause)
+        elif key == "model" and models is None:
+            models = _parse_names(key, value, clause)
         elif key == "for" and duration is None:
             duration = _parse_seconds(value, clause)
         elif key == "bytes" and size is None:
@@ -240,9 +248,8 @@ def parse_clause(text: str) -> Clause:
         elif key in _MODIFIERS:
             raise FaultSpecError(clause, f"modifier {key!r} given twice")
         else:
-            raise FaultSpecError(
-                clause, f"unknown modifier {key!r} (expected attempt=, replica=, for=, bytes=, retry_after=)"
-            )
+            expected = "attempt=, replica=, model=, for=, bytes=, retry_after="
+            raise FaultSpecError(clause, f"unknown modifier {key!r} (expected {expected})")
     if duration is not None and action not in ("stall", "delay"):
         raise FaultSpecError(clause, "for= is only valid with stall or delay")
     if action == "delay" and duration is None:
@@ -264,6 +271,7 @@ def parse_clause(text: str) -> Clause:
         point=point,
         attempts=attempts,
         replicas=replicas,
+        models=models,
         duration=duration,
         size=size,
         raw=clause,
@@ -287,10 +295,14 @@ def parse_attempt(value: str | None) -> int | None:
 
 
 class FaultPlan:
-    """The clauses that apply to one request on one replica; each fires at most once."""
+    """The clauses that apply to one request on one replica (serving ``model``); each fires at most once."""
 
-    def __init__(self, clauses: Iterable[Clause], *, attempt: int | None, replica: str) -> None:
-        self._pending: list[Clause] = [c for c in clauses if c.applies_to(attempt=attempt, replica=replica)]
+    def __init__(
+        self, clauses: Iterable[Clause], *, attempt: int | None, replica: str, model: str | None = None
+    ) -> None:
+        self._pending: list[Clause] = [
+            c for c in clauses if c.applies_to(attempt=attempt, replica=replica, model=model)
+        ]
         self.fired: list[Clause] = []
 
     @property

@@ -829,6 +829,7 @@ class Simulator:
             "path": request.path,
             "method": request.method,
             "api": api,
+            "model": self.config.model,  # the model this replica serves (--model)
             "stream": None,
             "fault": h.get(HEADER),
             "pid": os.getpid(),
@@ -871,7 +872,7 @@ class Simulator:
         except gen.RequestError as exc:
             error = exc
         self.log.write(record)
-        plan = FaultPlan(clauses, attempt=attempt, replica=self.config.name)
+        plan = FaultPlan(clauses, attempt=attempt, replica=self.config.name, model=self.config.model)
         ex = Exchange(self, conn, request, plan, record)
         if error is not None or greq is None:
             return await self._refuse(ex, error)
