@@ -44,6 +44,10 @@ Scenarios (:data:`SCENARIOS`; bytes exact):
 * ``no_done_complete`` — the normal stream without ``data: [DONE]``; the chunked body ends cleanly.
 * ``error_null_content`` — the normal stream whose content events carry ``"error":null``.
 * ``status429`` — ``429`` with a JSON error body and ``retry-after: 7``.
+* ``rejected:N`` — ``400`` with a JSON error body of exactly N bytes (its ``message`` padded with ``x``),
+  Content-Length framed: a rejection whose reason may be past what the gateway reads.
+* ``rejected_garbage`` — ``400`` with :func:`garbage_payload` as a JSON body. ``rejected_deep`` — ``400`` with
+  a JSON body nested 100 000 levels deep. ``rejected_empty`` — ``422`` with no body (Content-Length 0).
 * ``garbage`` — 200 event-stream, then random bytes (invalid UTF-8, NULs), lone ``\\r``, ``data:``
   lines that are not JSON (one a cut-off content delta), then the connection is closed (FIN).
 * ``deep_json_event`` — role, then ``data: [[[…]]]`` 100 000 levels deep, then the rest of the stream.
@@ -490,6 +494,7 @@ _REASONS = {
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    422: "Unprocessable Content",
     429: "Too Many Requests",
 }
 
@@ -848,6 +853,35 @@ async def play_status429(ex: Exchange, _size: int | None) -> str:
     return await ex.json(429, error_body_429(), [("retry-after", RETRY_AFTER)])
 
 
+REJECTION_MESSAGE = "temperature must be at most 2 "  # the start of the `rejected` scenario's message
+
+
+def rejected_body(size: int) -> bytes:
+    """A 400 error body of exactly `size` bytes (at least its frame's), the message padded with `x`."""
+    frame = compact(
+        {"error": {"message": REJECTION_MESSAGE, "type": "BadRequestError", "param": "temperature"}}
+    )
+    return frame.replace(
+        REJECTION_MESSAGE.encode(), REJECTION_MESSAGE.encode() + b"x" * max(0, size - len(frame))
+    )
+
+
+async def play_rejected(ex: Exchange, size: int | None) -> str:
+    return await ex.json(400, rejected_body(size or 200))
+
+
+async def play_rejected_garbage(ex: Exchange, _size: int | None) -> str:
+    return await ex.json(400, garbage_payload(ex.cid))
+
+
+async def play_rejected_deep(ex: Exchange, _size: int | None) -> str:
+    return await ex.json(400, b"[" * DEEP_LEVELS + b"]" * DEEP_LEVELS)
+
+
+async def play_rejected_empty(ex: Exchange, _size: int | None) -> str:
+    return await ex.json(422, b"")
+
+
 def garbage_payload(seed: str) -> bytes:
     rng = random.Random(seed)
     pieces = [
@@ -1090,6 +1124,10 @@ SCENARIOS: dict[str, Play] = {
     "tiny_events": play_tiny_events,
     "trickle": play_trickle,
     "reset": play_reset,
+    "rejected": play_rejected,
+    "rejected_garbage": play_rejected_garbage,
+    "rejected_deep": play_rejected_deep,
+    "rejected_empty": play_rejected_empty,
 }
 SIZED = frozenset(
     {
@@ -1098,6 +1136,7 @@ SIZED = frozenset(
         "big_nonstream_chunked",
         "endless_event_after_delta",
         "tiny_events",
+        "rejected",
     }
 )
 KEEP_ALIVE_AFTER = {"complete"}

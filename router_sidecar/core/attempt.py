@@ -13,10 +13,11 @@ Three small machines, each a table of data (docs/design.md#the-attempt-machine d
   held response headers, nothing any more).
 * `LEASE_TRANSITIONS`: the attempt's right to publish (held, being settled or fenced, proven gone).
 
-    AWAITING_HEADERS ──2xx──▶ HOLDING ──first delta──▶ WRITING_AHEAD ──durable──▶ RELEASED
+    AWAITING_HEADERS ──2xx, 4xx──▶ HOLDING ──first delta──▶ WRITING_AHEAD ──durable──▶ RELEASED
          │   │                  │  │                        │
-         │   └──4xx──▶ PASSED_THROUGH                        └──reset──▶ FAILED
+         │   └──3xx──▶ PASSED_THROUGH                        └──reset──▶ FAILED
          │                      │  └──5xx, 429, error event, abort, too large, no [DONE], reset──▶ FAILED
+         │                      └──4xx body read to its end (rejected: never resent unchanged)──▶ FAILED
          └───heartbeat lapsed, progress gap, lease lost (either state)──▶ FENCING ──proof──▶ FAILED
     FAILED ──verdict──▶ DECIDED      (the verdict is written once the held headers are there to answer)
 
@@ -30,9 +31,11 @@ must be fenced: its lease settled on a closed connection, or revoked and proven 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from router_sidecar.core import bounded_json
 from router_sidecar.core.events import Event, EventName
 from router_sidecar.core.sse import AbortScan, Classifier, EventKind, SseScanner, classify_openai
 
@@ -45,7 +48,7 @@ class AttemptState(enum.Enum):
     FENCING = "fencing"  # liveness uncertain: its lease is revoked, waiting for the proof it stopped
     WRITING_AHEAD = "writing_ahead"  # first delta found: first_delta_sent is being made durable
     RELEASED = "released"  # headers and held chunks released; the downstream owns the rest
-    PASSED_THROUGH = "passed_through"  # not a replica failure (e.g. 4xx): released unchanged
+    PASSED_THROUGH = "passed_through"  # not a replica failure and nothing to read (3xx): released unchanged
     FAILED = "failed"  # failed before release; the request's verdict is not known yet
     DECIDED = "decided"  # failed, and the verdict (retry or one error) is known: answered when it can be
     # Its stream ended before its request was let go (the connection Envoy picked was closed, a connect was
@@ -96,6 +99,15 @@ class FailureReason(enum.StrEnum):
     # Its stream ended before its request was let go to the replica (a pooled connection the replica had
     # closed, a refused connect): no replica saw it, so it is not one of max_attempts.
     NOT_SENT = "connection_lost_before_request"
+    # A 4xx other than 429: the replica refused the request itself (invalid, content policy, unknown state).
+    # Resent unchanged it would be refused again, so it never is: the client gets the replica's reason.
+    REJECTED = "rejected_by_replica"
+    # A 4xx saying the request does not fit the model's context (prompt plus max_tokens): a rejection too.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+# A replica refused the request itself: no other replica of its model is asked (docs/design.md#rejections).
+REJECTIONS = frozenset({FailureReason.REJECTED, FailureReason.CONTEXT_LENGTH_EXCEEDED})
 
 
 # Liveness causes (monitors, the shell's reading of a closed connection) → why the fenced attempt failed.
@@ -120,6 +132,7 @@ class ResponseHeaders:
     content_type: str = ""
     content_encoding: str = ""
     retry_after: str | None = None
+    end_of_stream: bool = False  # no body follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +230,8 @@ class FailRequest:
     message: str
     retry_after: str | None = None
     detail: str | None = None  # for the journal's retry_refused: what exactly refused it (a field, a budget)
+    retryable: bool = True  # whether the same request sent again may succeed (a rejection's: no)
+    param: str | None = None  # the request field a rejection names (the replica's `param`)
 
 
 # --- decisions (what the logical request carries on) -------------------------------------------------
@@ -286,7 +301,8 @@ class Kind(enum.Enum):
     """An input as the tables see it: raw inputs are read into one of these first."""
 
     HEADERS_OK = "2xx"  # a response the gateway reads and holds
-    HEADERS_PASS = "4xx"  # not a replica failure: passed through unchanged
+    HEADERS_PASS = "3xx"  # not a replica failure, nothing to read: passed through unchanged
+    HEADERS_REJECTED = "4xx"  # the replica refused the request: held while its reason is read
     HEADERS_FAILED = "5xx, 429, encoded"
     BODY_HELD = "nothing yet"  # read while holding: no content, no failure
     BODY_FIRST_DELTA = "first delta"  # the first content event (or a whole non-stream answer)
@@ -315,6 +331,53 @@ class Reading:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """What a replica's 4xx said, read from its error body (OpenAI's, vLLM's older, or Anthropic's shape)."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+MAX_REJECTION_BYTES = 16 * 1024  # of a 4xx body kept to read its reason (a longer one is cut, not trusted)
+MAX_REJECTION_MESSAGE = 1024  # characters of the replica's message carried to the client and the journal
+# How vLLM (max_model_len, "maximum context length"), SGLang and OpenAI say a request does not fit.
+_CONTEXT_LENGTH = re.compile(
+    r"context[ _]length|max_model_len|maximum model length|context window|prompt is too long", re.IGNORECASE
+)
+
+
+def read_rejection(status: int, body: bytes) -> Rejection:
+    """The replica's reason from its 4xx body (a body that is not such a JSON document: only the status)."""
+    try:
+        doc = bounded_json.loads(body, max_depth=8)
+    except ValueError:
+        doc = None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    fields = error if isinstance(error, dict) else doc if isinstance(doc, dict) else {}
+    message, param, code = fields.get("message"), fields.get("param"), fields.get("code")
+    if not isinstance(message, str) or not message:
+        return Rejection(status, f"replica answered {status}")
+    if isinstance(code, str) and code and code not in message:
+        message = f"{message} ({code})"
+    return Rejection(
+        status, message[:MAX_REJECTION_MESSAGE], param[:256] if isinstance(param, str) and param else None
+    )
+
+
+def is_context_length(rejection: Rejection) -> bool:
+    return _CONTEXT_LENGTH.search(rejection.message) is not None
+
+
+def in_band_rejection(event: bytes) -> Rejection | None:
+    """An in-band error event before any content that says the request does not fit the context (a 400 in
+    all but its framing), or None: any other in-band error may be the replica's own trouble (retried)."""
+    payload = b"\n".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+    rejection = read_rejection(400, payload)
+    return rejection if is_context_length(rejection) else None
+
+
 _HELD = Reading(Kind.BODY_HELD)
 _FIRST_DELTA = Reading(Kind.BODY_FIRST_DELTA)
 _COMPLETE = Reading(Kind.BODY_COMPLETE)
@@ -337,6 +400,9 @@ class AttemptReader:
         self._scanner = SseScanner(max_event_bytes=max_event_bytes, classify=classify)  # the API's reading
         self._abort_scan = AbortScan()  # non-stream answers only
         self._finished = False  # a finish_reason that means "generation complete" was seen
+        self._rejected_status: int | None = None  # a 4xx: its body is read for the reason, not scanned
+        self._rejection_body = bytearray()
+        self.rejection: Rejection | None = None  # what the replica's 4xx said, once its body was read
 
     def headers(self, e: ResponseHeaders) -> Reading:
         if e.status in (429, 503):
@@ -352,6 +418,12 @@ class AttemptReader:
             )
         if e.status >= 500:
             return Reading(Kind.HEADERS_FAILED, FailureReason.UPSTREAM_STATUS, f"replica answered {e.status}")
+        if 400 <= e.status < 500:
+            self._rejected_status = e.status
+            if e.end_of_stream:  # no body to read a reason from
+                self.rejection = Rejection(e.status, f"replica answered {e.status}")
+                return Reading(Kind.HEADERS_FAILED, FailureReason.REJECTED, self.rejection.message)
+            return Reading(Kind.HEADERS_REJECTED)
         if e.status >= 300:
             return Reading(Kind.HEADERS_PASS)
         if e.content_encoding.lower() not in ("", "identity"):
@@ -363,6 +435,8 @@ class AttemptReader:
 
     def body(self, e: ResponseBody) -> Reading:
         self.held_bytes += len(e.chunk)
+        if self._rejected_status is not None:
+            return self._rejection_read(e)
         if not self._streaming:
             # A non-stream answer is its content: released whole at its end, or, past the bound, released
             # as it comes (Envoy must not hold a large body for us) — then a later cut is a reset.
@@ -379,6 +453,14 @@ class AttemptReader:
             events += self._scanner.close()
         for event in events:
             if event.kind is EventKind.ERROR:
+                rejection = in_band_rejection(event.raw)
+                if rejection is not None:  # SGLang's Messages stream refuses an over-long request in-band
+                    self.rejection = rejection
+                    return Reading(
+                        Kind.BODY_FAILED,
+                        FailureReason.CONTEXT_LENGTH_EXCEEDED,
+                        f"in-band error before any content: {rejection.message}",
+                    )
                 return Reading(
                     Kind.BODY_FAILED, FailureReason.ERROR_EVENT, "in-band error event before any content"
                 )
@@ -415,6 +497,20 @@ class AttemptReader:
                 Kind.BODY_FAILED, FailureReason.ENDED_WITHOUT_DONE, "response ended without content or [DONE]"
             )
         return _HELD
+
+    def _rejection_read(self, e: ResponseBody) -> Reading:
+        assert self._rejected_status is not None
+        kept = MAX_REJECTION_BYTES - len(self._rejection_body)
+        if kept > 0:
+            self._rejection_body += e.chunk[:kept]
+        if not e.end_of_stream and self.held_bytes <= self._max_held_bytes:
+            return _HELD
+        # Whole (or past the hold's bound: what came is all that is read).
+        rejection = self.rejection = read_rejection(self._rejected_status, bytes(self._rejection_body))
+        reason = (
+            FailureReason.CONTEXT_LENGTH_EXCEEDED if is_context_length(rejection) else FailureReason.REJECTED
+        )
+        return Reading(Kind.BODY_FAILED, reason, f"replica answered {rejection.status}: {rejection.message}")
 
 
 # --- the tables --------------------------------------------------------------------------------------
@@ -470,7 +566,7 @@ def _lost_while_live(
 
 
 _CONNECTION_LOST_DETAIL = "connection to the replica was lost"
-_HEADERS = (_K.HEADERS_OK, _K.HEADERS_PASS, _K.HEADERS_FAILED)
+_HEADERS = (_K.HEADERS_OK, _K.HEADERS_PASS, _K.HEADERS_REJECTED, _K.HEADERS_FAILED)
 _GONE = (_K.RESET, _K.RESET_UNCERTAIN, _K.SUPERSEDED, _K.SUPERSEDED_UNCERTAIN)
 
 # The whole lifecycle: state × kind → next state and actions. A pair that is not here is a bug in the
@@ -479,6 +575,8 @@ _GONE = (_K.RESET, _K.RESET_UNCERTAIN, _K.SUPERSEDED, _K.SUPERSEDED_UNCERTAIN)
 TRANSITIONS: dict[tuple[AttemptState, Kind], Step] = {
     # Sent to its replica, no response headers yet.
     (_S.AWAITING_HEADERS, _K.HEADERS_OK): Step(_S.HOLDING, (_A.HOLD,)),
+    # A 4xx is held like a 2xx while its body is read; it ends FAILED (rejected) and is never resent.
+    (_S.AWAITING_HEADERS, _K.HEADERS_REJECTED): Step(_S.HOLDING, (_A.HOLD,)),
     (_S.AWAITING_HEADERS, _K.HEADERS_PASS): Step(_S.PASSED_THROUGH, (_A.PASS,)),
     (_S.AWAITING_HEADERS, _K.HEADERS_FAILED): Step(_S.FAILED, (_A.FAIL,)),
     **_lost_while_live(_S.AWAITING_HEADERS, _R.CONNECTION_LOST, _CONNECTION_LOST_DETAIL),
@@ -507,7 +605,7 @@ TRANSITIONS: dict[tuple[AttemptState, Kind], Step] = {
         _S.FAILED, (_A.FAIL, _A.SETTLE), _R.LOST_BEFORE_RELEASE, _SUPERSEDED_DETAIL
     ),
     (_S.RELEASED, _K.SUPERSEDED_UNCERTAIN): Step(_S.FENCING, (_A.FENCE,), cause=_UNCERTAIN),
-    # Not a replica failure (4xx): released unchanged; nothing here concerns it any more.
+    # Not a replica failure (3xx): released unchanged; nothing here concerns it any more.
     **_stay(_S.PASSED_THROUGH, _K.CHUNK, *_GONE, _K.LIVENESS_LOST),
     # Liveness uncertain: waiting for the proof that it stopped; nothing is decided before it. Headers that
     # come meanwhile (e.g. the replica side's own 503 once it stopped) are what the verdict will answer.

@@ -54,6 +54,9 @@ class Outcome(enum.StrEnum):
     )
     REPLICAS_OVERLOADED = "replicas_overloaded"  # the last allowed attempt got 429 (or a picker shed it)
     FENCE_UNPROVABLE = "fence_unprovable"
+    # A replica refused the request itself (a 4xx other than 429): not resent, its reason goes to the client.
+    REJECTED_BY_REPLICA = "rejected_by_replica"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # a rejection: it does not fit the model's context
     NO_COMPATIBLE_REPLICA = "no_compatible_replica"
     STORED_RESPONSE_UNAVAILABLE = "stored_response_unavailable"  # the replica holding it cannot be reached
     NO_REPLICA_AVAILABLE = "no_replica_available"  # Envoy (or an endpoint picker) found no host to send to

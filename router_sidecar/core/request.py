@@ -1017,7 +1017,9 @@ class LogicalRequest:
             self._failures_told.add(attempt.attempt_id)
             if attempt.status is not None:
                 self.placement.answered(attempt.replica, attempt.status, attempt.retry_after)
-            if self.phase is Phase.PREFILL and failed.reason is not a.FailureReason.LEASE_LOST:
+            if failed.reason in a.REJECTIONS:
+                self.placement.succeeded(attempt.replica)  # it answered: the request is what failed
+            elif self.phase is Phase.PREFILL and failed.reason is not a.FailureReason.LEASE_LOST:
                 self.placement.failed_before_content(attempt.replica)  # (a lost lease is etcd's failure)
         verdict: TriggerRetry | FailRequest
         if self.final is not None:
@@ -1045,6 +1047,8 @@ class LogicalRequest:
                     "and the policy (uncertain_source_liveness.then: fail_request) allows no retry",
                 )
             )
+        elif failed.reason in a.REJECTIONS:
+            verdict = self._end_with(self._rejected(attempt, failed.reason))
         elif attempt.attempt_id not in self._fallbacks and self.own_counted < self.max_attempts:
             if self.fingerprint_digest is not None:
                 # Pinned to a compatibility group: a retry needs a compatible replica to land on.
@@ -1147,6 +1151,25 @@ class LogicalRequest:
             self._emit(EventName.RETRY_REFUSED, len(self.attempts) or None, reason=verdict.code, **detail)
             self._finish(Phase.FAILED, Outcome(verdict.code))
         return self.final
+
+    def _rejected(self, attempt: Attempt, reason: a.FailureReason) -> FailRequest:
+        """The replica refused the request itself: its status and reason, in the API's error shape. Another
+        replica of the model would refuse it the same way, so it is not resent (docs/design.md#rejections)."""
+        rejection = attempt.reader.rejection
+        assert rejection is not None
+        outcome = (
+            Outcome.CONTEXT_LENGTH_EXCEEDED
+            if reason is a.FailureReason.CONTEXT_LENGTH_EXCEEDED
+            else Outcome.REJECTED_BY_REPLICA
+        )
+        return FailRequest(
+            rejection.status,
+            outcome,
+            f"the replica rejected the request ({rejection.status}): {rejection.message}",
+            detail=f"attempt {attempt.number} on {attempt.replica}: sent again it would be rejected again",
+            retryable=False,
+            param=rejection.param,
+        )
 
     def _exhausted(self, last: Attempt | None) -> FailRequest:
         if self.retry_blocked is not None:

@@ -73,8 +73,9 @@ def error_body(request: LogicalRequest, verdict: FailRequest) -> bytes:
                 details=rec.MessagesErrorDetails(error_code=str(verdict.code)),
                 request_id=request.request_id,
                 partial_output=False,
-                retryable=True,
+                retryable=verdict.retryable,
                 attempts=attempts,
+                param=verdict.param,
             ),
             request_id=request.request_id,
         )
@@ -87,7 +88,8 @@ def error_body(request: LogicalRequest, verdict: FailRequest) -> bytes:
             request_id=request.request_id,
             attempts=attempts,
             partial_output=False,
-            retryable=True,
+            retryable=verdict.retryable,
+            param=verdict.param,
         )
     )
     return json.dumps(codec.to_dict(body)).encode()

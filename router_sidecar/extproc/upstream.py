@@ -153,6 +153,7 @@ class UpstreamStream:
                     content_type=headers.get("content-type", ""),
                     content_encoding=headers.get("content-encoding", ""),
                     retry_after=headers.get("retry-after"),
+                    end_of_stream=message.response_headers.end_of_stream,
                 )
             elif which == "response_body":
                 body = message.response_body

@@ -247,7 +247,7 @@ class GatewayErrorBody(_message.Message):
     def __init__(self, error: _Optional[_Union[GatewayError, _Mapping]] = ...) -> None: ...
 
 class GatewayError(_message.Message):
-    __slots__ = ("code", "message", "type", "request_id", "attempts", "partial_output", "retryable")
+    __slots__ = ("code", "message", "type", "request_id", "attempts", "partial_output", "retryable", "param")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class GatewayError(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     code: str
     message: str
     type: str
@@ -262,7 +263,8 @@ class GatewayError(_message.Message):
     attempts: _containers.RepeatedCompositeFieldContainer[AttemptRecord]
     partial_output: bool
     retryable: bool
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., type: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., partial_output: _Optional[bool] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    param: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., type: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., partial_output: _Optional[bool] = ..., retryable: _Optional[bool] = ..., param: _Optional[str] = ...) -> None: ...
 
 class TerminalFrame(_message.Message):
     __slots__ = ("error",)
@@ -323,7 +325,7 @@ class MessagesErrorBody(_message.Message):
     def __init__(self, type: _Optional[str] = ..., error: _Optional[_Union[MessagesError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class MessagesError(_message.Message):
-    __slots__ = ("type", "message", "code", "details", "request_id", "partial_output", "delivered_output_tokens", "retryable", "attempts")
+    __slots__ = ("type", "message", "code", "details", "request_id", "partial_output", "delivered_output_tokens", "retryable", "attempts", "param")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +335,7 @@ class MessagesError(_message.Message):
     DELIVERED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     code: str
@@ -342,7 +345,8 @@ class MessagesError(_message.Message):
     delivered_output_tokens: int
     retryable: bool
     attempts: _containers.RepeatedCompositeFieldContainer[AttemptRecord]
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., code: _Optional[str] = ..., details: _Optional[_Union[MessagesErrorDetails, _Mapping]] = ..., request_id: _Optional[str] = ..., partial_output: _Optional[bool] = ..., delivered_output_tokens: _Optional[int] = ..., retryable: _Optional[bool] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ...) -> None: ...
+    param: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., code: _Optional[str] = ..., details: _Optional[_Union[MessagesErrorDetails, _Mapping]] = ..., request_id: _Optional[str] = ..., partial_output: _Optional[bool] = ..., delivered_output_tokens: _Optional[int] = ..., retryable: _Optional[bool] = ..., attempts: _Optional[_Iterable[_Union[AttemptRecord, _Mapping]]] = ..., param: _Optional[str] = ...) -> None: ...
 
 class MessagesErrorDetails(_message.Message):
     __slots__ = ("error_code",)

@@ -622,6 +622,37 @@ def test_429_on_every_attempt_is_one_429_naming_the_request(stack: HostileStack)
     assert journal["first_delta_sent"] is False and journal["phase"] != "completed", journal
 
 
+# A replica's 4xx with a hostile body: the status and what could be read of its reason, after one attempt.
+REJECTED = {
+    "rejected:300": (400, f"the replica rejected the request (400): {hr.REJECTION_MESSAGE}"),
+    # 1 MiB: past the hold's bound (256 KiB) and the 16 KiB read, so no reason, only the status.
+    "rejected:1MiB": (400, "the replica rejected the request (400): replica answered 400"),
+    "rejected_garbage": (400, "the replica rejected the request (400): replica answered 400"),
+    "rejected_deep": (400, "the replica rejected the request (400): replica answered 400"),
+    "rejected_empty": (422, "the replica rejected the request (422): replica answered 422"),
+}
+
+
+@pytest.mark.parametrize("scenario", list(REJECTED))
+def test_a_rejection_with_a_hostile_body_is_its_status_after_one_attempt(
+    stack: HostileStack, scenario: str
+) -> None:
+    envoy = stack.envoy_pid()
+    result = send(stack, scenario)
+    status, message = REJECTED[scenario]
+    error = assert_json_error(
+        result.status, result.headers, result.body, expected=status, code="rejected_by_replica"
+    )
+    assert error["message"].startswith(message) and len(error["message"]) < 1200, error["message"][:300]
+    assert error["retryable"] is False and result.headers["x-router-attempts"] == "1", error
+    assert stack.envoy_pid() == envoy
+    [end] = served_by(stack, result.request_id, 1)
+    assert end["status"] == status and end["how"] == "complete", end
+    journal = stack.finished(result.request_id)
+    assert (journal["phase"], journal["outcome"]) == ("failed", "rejected_by_replica"), journal
+    assert [a["detail"] for a in journal["attempts"]] == ["rejected_by_replica"], journal["attempts"]
+
+
 BROKEN = [
     "garbage",
     "deep_json_event",

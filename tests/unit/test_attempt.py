@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 
 from router_sidecar.core.attempt import (
+    MAX_REJECTION_BYTES,
     Answer,
     Attempt,
+    AttemptReader,
     AttemptState,
     Decision,
     Failed,
@@ -31,8 +33,10 @@ from router_sidecar.core.attempt import (
     FenceUnprovable,
     IllegalInput,
     Input,
+    Kind,
     LivenessLost,
     NeverSent,
+    Rejection,
     Release,
     ResponseBody,
     ResponseHeaders,
@@ -44,6 +48,8 @@ from router_sidecar.core.attempt import (
     VerdictReady,
     WriteAhead,
     WriteAheadDone,
+    is_context_length,
+    read_rejection,
 )
 from router_sidecar.core.events import Event, EventName, Outcome
 
@@ -95,6 +101,19 @@ EMPTY_TEXT = b'data: {"object":"text_completion","choices":[{"index":0,"text":""
 RETRY = TriggerRetry("upstream_status")
 FAIL_502 = FailRequest(502, Outcome.RETRIES_EXHAUSTED, "all 2 attempts failed before any content")
 SETTLE = SettleLease("connection_closed")
+# Replicas' 4xx bodies, as the engines write them (../shared/reference: vLLM 0.32, SGLang 0.5.23).
+VLLM_TOO_LONG = (
+    b'{"error":{"message":"max_tokens=5000 cannot be greater than max_model_len=1024. Please request fewer '
+    b'output tokens. (parameter=max_tokens, value=5000)","type":"BadRequestError","param":"max_tokens",'
+    b'"code":400}}'
+)
+SGLANG_TOO_LONG = (
+    b'{"object":"error","message":"Requested token count exceeds the model\'s maximum context length of 1024 '
+    b'tokens.","type":"BadRequestError","param":null,"code":400}'
+)
+NOT_FOUND = (
+    b'{"error":{"message":"Response with id \'resp_1\' not found.","type":"NotFoundError","code":404}}'
+)
 
 
 def H(status: int = 200, ctype: str = SSE, **kw: Any) -> ResponseHeaders:
@@ -148,7 +167,7 @@ PATHS: dict[AttemptState, list[Input]] = {
     AttemptState.FENCING: [LivenessLost("heartbeat_lapsed")],  # before any headers
     AttemptState.WRITING_AHEAD: [H(), B(ROLE), B(CONTENT)],
     AttemptState.RELEASED: [H(), B(ROLE), B(CONTENT), WriteAheadDone()],
-    AttemptState.PASSED_THROUGH: [H(404, JSON)],
+    AttemptState.PASSED_THROUGH: [H(307, JSON)],
     AttemptState.FAILED: [H(503, JSON)],  # headers in, stream open, lease not settled, no verdict yet
     AttemptState.DECIDED: [H(503, JSON), VerdictReady(RETRY)],  # answered: its lease is being settled
     AttemptState.NEVER_SENT: [NeverSent()],  # its lease is being settled
@@ -574,11 +593,65 @@ STORIES: list[Story] = [
         S.WRITING_AHEAD,
         False,
     ),
-    # --- not replica failures: passed through ---------------------------------------------------------
-    Story("status_400", [(H(400, JSON), [Release(0)])], S.PASSED_THROUGH, False),
-    Story("status_404", [(H(404, JSON), [Release(0)])], S.PASSED_THROUGH, False),
+    # --- a 3xx is no replica failure and has nothing to read: passed through --------------------------
+    Story("status_307", [(H(307, JSON), [Release(0)])], S.PASSED_THROUGH, False),
+    # --- a 4xx (not 429): held while its reason is read, then a rejection (never resent) ----------------
     Story(
-        "status_413_gzip", [(H(413, JSON, content_encoding="gzip"), [Release(0)])], S.PASSED_THROUGH, False
+        "status_400_context_length_vllm",
+        [
+            (H(400, JSON), NONE),
+            (B(VLLM_TOO_LONG[:40]), NONE),
+            (B(VLLM_TOO_LONG[40:], True), _f(R.CONTEXT_LENGTH_EXCEEDED)),
+        ],
+        S.FAILED,
+        False,
+        R.CONTEXT_LENGTH_EXCEEDED,
+    ),
+    Story(
+        "status_400_context_length_sglang",
+        [(H(400, JSON), NONE), (B(SGLANG_TOO_LONG, True), _f(R.CONTEXT_LENGTH_EXCEEDED))],
+        S.FAILED,
+        False,
+        R.CONTEXT_LENGTH_EXCEEDED,
+    ),
+    Story(
+        "status_404_rejected",
+        [(H(404, JSON), NONE), (B(NOT_FOUND, True), _f(R.REJECTED))],
+        S.FAILED,
+        False,
+        R.REJECTED,
+    ),
+    Story(
+        "status_413_gzip_rejected_without_a_reason",
+        [(H(413, JSON, content_encoding="gzip"), NONE), (B(b"\x1f\x8b\x08\x00junk", True), _f(R.REJECTED))],
+        S.FAILED,
+        False,
+        R.REJECTED,
+    ),
+    Story(
+        "status_405_without_a_body",
+        [(H(405, JSON, end_of_stream=True), _f(R.REJECTED))],
+        S.FAILED,
+        False,
+        R.REJECTED,
+    ),
+    Story(
+        "status_400_body_past_the_hold_bound",
+        [(H(400, JSON), NONE), (B(b" " * (MAX_HELD + 1)), _f(R.REJECTED))],
+        S.FAILED,
+        False,
+        R.REJECTED,
+    ),
+    Story(
+        "status_400_reset_before_its_end_is_a_lost_connection",
+        [
+            (H(400, JSON), NONE),
+            (B(VLLM_TOO_LONG[:40]), NONE),
+            (StreamReset(), [*_f(R.CONNECTION_LOST), SETTLE]),
+        ],
+        S.FAILED,
+        False,
+        R.CONNECTION_LOST,
     ),
     # --- a non-stream JSON answer is its content: held until its end, or until too large ----------------
     Story(
@@ -888,7 +961,7 @@ STORIES: list[Story] = [
     ),
     Story(
         "reset_after_pass_through",
-        [(H(404, JSON), [Release(0)]), (StreamReset(), NONE)],
+        [(H(307, JSON), [Release(0)]), (StreamReset(), NONE)],
         S.PASSED_THROUGH,
         False,
     ),
@@ -979,7 +1052,7 @@ STORIES: list[Story] = [
     ),
     Story(
         "superseded_passed_through",
-        [(H(404, JSON), [Release(0)]), (Superseded(), NONE)],
+        [(H(307, JSON), [Release(0)]), (Superseded(), NONE)],
         S.PASSED_THROUGH,
         False,
     ),
@@ -1127,7 +1200,14 @@ def test_verdict_is_recorded() -> None:
 # (id, path, input, expected events: (name, detail items that must be in it))
 EVENTS: list[tuple[str, list[Input], Input, list[tuple[EventName, dict[str, Any]]]]] = [
     ("headers_2xx", [], H(), [(EventName.HEADERS_HELD, {"status": 200})]),
-    ("headers_4xx", [], H(404, JSON), [(EventName.RESPONSE_PASSED_THROUGH, {"status": 404})]),
+    ("headers_3xx", [], H(307, JSON), [(EventName.RESPONSE_PASSED_THROUGH, {"status": 307})]),
+    ("headers_4xx", [], H(404, JSON), [(EventName.HEADERS_HELD, {"status": 404})]),
+    (
+        "body_of_a_4xx",
+        [H(400, JSON)],
+        B(VLLM_TOO_LONG, True),
+        [(EventName.ATTEMPT_FAILED, {"reason": "context_length_exceeded"})],
+    ),
     ("headers_5xx", [], H(503), [(EventName.ATTEMPT_FAILED, {"reason": "upstream_status"})]),
     (
         "headers_429",
@@ -1321,3 +1401,73 @@ def test_engine_dead_transcript_fails_with_error_event(seed: int) -> None:
     assert (attempt.state, attempt.failure) == (AttemptState.FAILED, FailureReason.ERROR_EVENT)
     assert [e.name for e in outbox] == [EventName.HEADERS_HELD, EventName.ATTEMPT_FAILED]
     assert attempt.handle(VerdictReady(RETRY)) == [SETTLE, Answer(RETRY, count)]
+
+
+# --- what a replica's rejection says -------------------------------------------------------------------
+
+
+def test_a_rejection_carries_the_replicas_reason_and_param() -> None:
+    attempt = drive([H(400, JSON), B(VLLM_TOO_LONG, True)])
+    assert attempt.reader.rejection == Rejection(
+        400,
+        "max_tokens=5000 cannot be greater than max_model_len=1024. Please request fewer output tokens. "
+        "(parameter=max_tokens, value=5000)",
+        "max_tokens",
+    )
+    assert attempt.detail is not None and attempt.detail.startswith("replica answered 400: max_tokens=5000")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            SGLANG_TOO_LONG,
+            Rejection(
+                400, "Requested token count exceeds the model's maximum context length of 1024 tokens."
+            ),
+        ),
+        (
+            b'{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long"}}',
+            Rejection(400, "prompt is too long"),
+        ),
+        (
+            b'{"error":{"message":"too many tokens","code":"context_length_exceeded","param":"messages"}}',
+            Rejection(400, "too many tokens (context_length_exceeded)", "messages"),
+        ),
+        (b"<html>Bad Request</html>", Rejection(400, "replica answered 400")),
+        (b"[" * 10_000, Rejection(400, "replica answered 400")),  # too deep: not read
+        (b'{"error":{"message":""}}', Rejection(400, "replica answered 400")),
+        (b'{"error":{"message":7,"param":["x"]}}', Rejection(400, "replica answered 400")),
+        (
+            b'{"message":"' + b"m" * 5000 + b'","param":"' + b"p" * 500 + b'"}',
+            Rejection(400, "m" * 1024, "p" * 256),
+        ),
+    ],
+    ids=["sglang", "anthropic", "openai_code", "html", "deep", "empty", "wrong_types", "long"],
+)
+def test_read_rejection(body: bytes, expected: Rejection) -> None:
+    assert read_rejection(400, body) == expected
+
+
+@pytest.mark.parametrize(
+    ("message", "context"),
+    [
+        ("max_tokens=5000 cannot be greater than max_model_len=1024.", True),
+        ("This model's maximum context length is 1024 tokens. However, you requested 2000 tokens", True),
+        ("The decoder prompt (length 3000) is longer than the maximum model length of 1024.", True),
+        ("too many tokens (context_length_exceeded)", True),
+        ("The model `nope` does not exist.", False),
+        ("temperature must be non-negative", False),
+    ],
+)
+def test_context_length_is_told_from_other_rejections(message: str, context: bool) -> None:
+    assert is_context_length(Rejection(400, message)) is context
+
+
+def test_a_rejection_body_is_kept_only_up_to_its_bound() -> None:
+    reader = AttemptReader(max_held_bytes=1 << 20, max_event_bytes=1 << 16)
+    reader.headers(H(400, JSON))
+    body = b'{"error":{"message":"' + b"x" * (MAX_REJECTION_BYTES * 2)
+    assert reader.body(B(body)).kind is Kind.BODY_HELD
+    assert reader.body(B(b'"}}', True)).reason is FailureReason.REJECTED  # cut: no JSON document to read
+    assert reader.rejection == Rejection(400, "replica answered 400")

@@ -874,11 +874,11 @@ def test_attempt_writing_ahead_when_envoy_answered_itself_is_never_released() ->
     assert views.journal_view(request)["first_delta_sent"] is False
 
 
-def test_passed_through_4xx_is_forwarded_as_is() -> None:
+def test_passed_through_3xx_is_forwarded_as_is() -> None:
     request = new_request()
     attempt = begin(request)
-    assert fa(request, attempt, ResponseHeaders(400, JSON)) == [ReleaseAttempt(attempt.attempt_id, 0)]
-    assert request.handle(ResponseStarted(400, JSON)) == [PassResponse()]
+    assert fa(request, attempt, ResponseHeaders(307, JSON)) == [ReleaseAttempt(attempt.attempt_id, 0)]
+    assert request.handle(ResponseStarted(307, JSON)) == [PassResponse()]
     body = (REFERENCE / "err_bad_json.txt").read_bytes()
     assert feed(request, [body]) == [Forward(body, True)]
     assert request.phase is Phase.FAILED

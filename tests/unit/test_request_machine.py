@@ -167,8 +167,8 @@ def _released() -> LogicalRequest:
 
 def _headers_wait_for_claim() -> LogicalRequest:
     request = new_request(claimed=False)
-    assert fa(request, begin_unclaimed(request), ResponseHeaders(404, JSON)) == [ReleaseAttempt("att-1", 0)]
-    assert request.handle(ResponseStarted(404, JSON, frozenset(), "via_upstream")) == []
+    assert fa(request, begin_unclaimed(request), ResponseHeaders(307, JSON)) == [ReleaseAttempt("att-1", 0)]
+    assert request.handle(ResponseStarted(307, JSON, frozenset(), "via_upstream")) == []
     return request
 
 
@@ -439,7 +439,7 @@ EXPECTED: dict[tuple[str, type], Row] = {
         DeadlineReached=Row([fail_now("deadline_exceeded")], P.FAILED, C.ANSWERED),
         DownstreamLost=Row([], P.CANCELLED),
     ),
-    # A 4xx passed through before the claim came back: its headers wait for it.
+    # A 3xx passed through before the claim came back: its headers wait for it.
     **_rows(
         "headers_wait_for_claim",
         ClaimSettled=Row([PassResponse()], client=C.PASSED, claim=CS.HELD),

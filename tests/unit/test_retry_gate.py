@@ -395,7 +395,7 @@ def test_await_fence_until_a_failed_attempts_lease_is_settled() -> None:
 def test_passed_through_attempt_needs_no_fence() -> None:
     g = G()
     previous = g.start()
-    assert g.feed(previous, ResponseHeaders(404, JSON)) == [ReleaseAttempt("att-1", 0)]
+    assert g.feed(previous, ResponseHeaders(307, JSON)) == [ReleaseAttempt("att-1", 0)]
     assert g.arrive(2) == [GrantLease("att-2", "10.0.0.2:8000")]
 
 
