@@ -1030,7 +1030,12 @@ class RouteOverlay:
     policy: Policy  # the effective policy of the route
 
 
-ROUTE_POLICY_KEYS: Final = ("on_upstream_failure", "reprefill_cost_cap", "deadlines.request_seconds")
+ROUTE_POLICY_KEYS: Final = (
+    "on_upstream_failure",
+    "reprefill_cost_cap",
+    "deadlines.request_seconds",
+    "fallback",
+)
 
 
 def route_policy(base: Policy, overlay: Any) -> Policy:
@@ -1071,6 +1076,21 @@ def _only_tightens(base: Policy, route: Policy) -> None:
     if not base.before_first_delta.require <= route.before_first_delta.require:
         missing = sorted(base.before_first_delta.require - route.before_first_delta.require)
         raise PolicyError(f"{_BFD}.require", f"drops {', '.join(missing)}: {why}")
+    # A fallback answers with another model: a route may narrow the gateway's fallback or turn it off, never
+    # name a model, a cause or more attempts the gateway's policy does not allow.
+    extra = [m for m in route.fallback.models if m not in base.fallback.models]
+    if extra:
+        raise PolicyError(
+            "fallback.models", f"names {', '.join(extra)}, not in the gateway's fallback.models: {why}"
+        )
+    if not set(route.fallback.causes) <= set(base.fallback.causes):
+        added = sorted(set(route.fallback.causes) - set(base.fallback.causes))
+        raise PolicyError("fallback.causes", f"adds {', '.join(added)}: {why}")
+    if route.fallback.max_attempts > base.fallback.max_attempts:
+        raise PolicyError(
+            "fallback.max_attempts",
+            f"({route.fallback.max_attempts}) exceeds the gateway's ({base.fallback.max_attempts}): {why}",
+        )
     if route.reprefill_cost_cap.max_prompt_tokens > base.reprefill_cost_cap.max_prompt_tokens:
         raise PolicyError(
             "reprefill_cost_cap.max_prompt_tokens",

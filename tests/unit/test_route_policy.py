@@ -16,6 +16,7 @@ from router_sidecar.core.policy import (
     RoutePolicies,
     load_policy,
     load_route_policies,
+    policy_from_mapping,
     route_policy,
 )
 from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, render
@@ -69,6 +70,38 @@ def test_bad_overlays_name_the_key(overlay: Any, path: str, says: str) -> None:
     with pytest.raises(PolicyError) as caught:
         route_policy(DEFAULT_POLICY, overlay)
     assert caught.value.path == path and says in str(caught.value)
+
+
+def test_a_route_narrows_the_fallback_or_turns_it_off() -> None:
+    base = policy_from_mapping(
+        {
+            "fallback": {
+                "models": ["big", "other"],
+                "causes": ["failed_before_content", "overloaded"],
+                "max_attempts": 2,
+            }
+        }
+    )
+    narrow = route_policy(
+        base, {"fallback": {"models": ["other"], "causes": ["overloaded"], "max_attempts": 1}}
+    )
+    assert (narrow.fallback.models, narrow.fallback.causes, narrow.fallback.max_attempts) == (
+        ("other",),
+        frozenset({"overloaded"}),
+        1,
+    )
+    assert route_policy(base, {"fallback": {"models": []}}).fallback.models == ()
+    for overlay, path, says in [
+        ({"fallback": {"models": ["big", "huge"]}}, "fallback.models", "names huge, not in the gateway's"),
+        ({"fallback": {"causes": ["unavailable"]}}, "fallback.causes", "adds unavailable"),
+        ({"fallback": {"max_attempts": 3}}, "fallback.max_attempts", "(3) exceeds the gateway's (2)"),
+    ]:
+        with pytest.raises(PolicyError) as caught:
+            route_policy(base, overlay)
+        assert caught.value.path == path and says in str(caught.value), caught.value
+    # A gateway without a fallback: no route may add one.
+    with pytest.raises(PolicyError, match=r"not in the gateway's fallback\.models"):
+        route_policy(DEFAULT_POLICY, {"fallback": {"models": ["big"]}})
 
 
 def test_route_policies_parse_each_text_once_and_keep_the_error() -> None:
