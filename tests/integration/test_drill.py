@@ -4,6 +4,7 @@ that breaks the contract it exits 1 naming the violated scenario; against nothin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from router_sidecar.runtime.supervise import free_port, port_open, start_envoy, 
 from router_testbed.drill.hooks import Hooks
 from router_testbed.drill.scenarios import SCENARIOS
 from router_testbed.toolsvc import spawn_toolsvc
-from tests.harness import REPO, Gateway, Sim
+from tests.harness import REPO, Agent, Gateway, Sim, sim_pool
 
 pytestmark = pytest.mark.integration
 
@@ -377,3 +378,153 @@ def test_an_unreachable_gateway_is_a_usage_error() -> None:
     assert f"cannot reach the gateway at {url} (ConnectError" in run.stderr
     assert "Is it running and listening there?" in run.stderr
     assert run.stdout == ""
+
+
+# --- the fallback scenario ------------------------------------------------------------------------------
+
+FALLBACK_POLICY = """
+fallback:
+  models: [big]
+  causes: [failed_before_content]
+"""
+TINY = ("t1", "t2")
+
+
+@pytest.fixture(scope="module")
+def fallback_pool(etcd: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, list[Sim]]]:
+    """Two replicas of tiny and one of big, each registered by its agent, behind a gateway whose policy falls
+    back from tiny to big (a fallback needs discovery: the registry says which replica serves which model)."""
+    work: Path = tmp_path_factory.mktemp("drill-fallback")
+    policy = work / "fallback.yaml"
+    policy.write_text(FALLBACK_POLICY)
+    with contextlib.ExitStack() as stack:
+        tiny = stack.enter_context(sim_pool(work, TINY))
+        big = stack.enter_context(sim_pool(work, ("big",), extra_args=("--model", "big")))
+        sims = [*tiny.values(), *big.values()]
+        for sim in sims:
+            stack.callback(Agent(sim, etcd, work).stop)
+        gateway = Gateway(replicas=[], etcd=etcd, work=work, config=policy)
+        stack.callback(gateway.stop)
+        gateway.wait_replicas_healthy(s.endpoint for s in sims)
+        yield gateway, sims
+
+
+def test_the_fallback_scenario_shows_big_answering_for_tiny_on_every_api(
+    fallback_pool: tuple[Gateway, list[Sim]], tmp_path: Path
+) -> None:
+    """`--fallback-model big`: every replica of tiny answers 503 (the fault is scoped to tiny's replicas),
+    big answers; the drill's evidence is the header, the model in the events, the usage, the journal's
+    fallback record and the replicas' logs, on each API."""
+    gateway, sims = fallback_pool
+    data = tmp_path / "fallback.json"
+    logs = [arg for s in sims for arg in ("--replica-log", str(s.log_path))]
+    args = ("--model", "tiny", "--fallback-model", "big", "--scenario", "fallback", "--api", "all")
+    run = drill("--gateway", gateway.url, *args, *logs, "--json", str(data))
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = results(data)
+    assert [(s["api"], s["name"], s["verdict"]) for s in got["scenarios"]] == [
+        (api, "fallback", "PASS") for api in ("chat", "completions", "responses", "messages")
+    ]
+    endpoints = {s.endpoint: s.name for s in sims}
+    for scenario in got["scenarios"]:
+        [x] = scenario["exchanges"]
+        assert (
+            x["fault"] == "status503@headers model=tiny" and scenario["fault"] == f"x-sim-fault: {x['fault']}"
+        )
+        assert (x["status"], x["headers"]["x-router-fallback"], x["headers"]["x-router-attempts"]) == (
+            200,
+            "big",
+            "3",
+        )
+        journal = x["journal"]
+        assert (journal["phase"], journal["model"]) == ("completed", "tiny")
+        attempts = journal["attempts"]
+        assert [(a["outcome"], a["chosen_by"]) for a in attempts] == [
+            ("failed", "gateway choice #1"),
+            ("failed", "gateway choice #2"),
+            ("completed", "fallback to model big, choice #3"),
+        ]
+        assert sorted(endpoints[a["replica"]] for a in attempts[:2]) == list(TINY)
+        assert endpoints[attempts[2]["replica"]] == "big"
+        fallback = journal["fallback"]
+        assert (fallback["model"], fallback["requested_model"]) == ("big", "tiny")
+        assert fallback["causes"] == [
+            f"attempt {a['attempt']} on {a['replica']}: upstream_status" for a in journal["attempts"][:2]
+        ]
+        ends = [r for r in x["replica_records"] if r["event"] == "end"]
+        assert sorted(
+            (r["replica"], r["model"], r["outcome"], r["content_events_written"]) for r in ends
+        ) == [
+            ("big", "big", "completed", 8),
+            ("t1", "tiny", "fault:status503", 0),
+            ("t2", "tiny", "fault:status503", 0),
+        ]
+        passed = {c["what"] for c in scenario["checks"] if c["ok"] is True}
+        assert {
+            "client: the answer is the fallback model's own: its events name big, none tiny",
+            "client: the answer carries its usage (the fallback's output tokens)",
+            "client: x-router-fallback names the model that answered (big)",
+            "journal: its fallback record names big for tiny, with one cause per failed attempt",
+            "journal: one answered_by_fallback event (big for tiny, cause failed_before_content), after the "
+            "last failed attempt",
+            "replica log: every attempt on a replica of tiny failed before any content; one on a replica of "
+            "big wrote the answer",
+        } <= passed, scenario["checks"]
+        [note] = [n for n in scenario["notes"] if n.startswith("answered by big for tiny")]
+        assert (
+            "x-router-fallback: big; the events name big; usage 8 output tokens; journal fallback: " in note
+        )
+        assert json.dumps(fallback) in note
+    # The verdict table says so, and the note under it is the evidence.
+    assert re.search(r"^  fallback +chat +x-sim-fault: status503@headers model=tiny +PASS ", run.stdout, re.M)
+    assert "note fallback (chat): answered by big for tiny: x-router-fallback: big;" in run.stdout
+
+
+def test_the_fallback_scenario_fails_against_a_gateway_without_a_fallback(
+    gateway: Gateway, sims: dict[str, Sim], tmp_path: Path
+) -> None:
+    """The same request against a gateway with no fallback policy: both replicas of tiny answer 503 and the
+    client gets retries_exhausted; the scenario names what is missing (the judge is not vacuous)."""
+    data = tmp_path / "no-fallback.json"
+    logs = [arg for s in sims.values() for arg in ("--replica-log", str(s.log_path))]
+    run = drill(
+        "--gateway",
+        gateway.url,
+        "--fallback-model",
+        "big",
+        "--scenario",
+        "fallback",
+        *logs,
+        "--json",
+        str(data),
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    [scenario] = results(data)["scenarios"]
+    [x] = scenario["exchanges"]
+    assert x["status"] == 502 and "x-router-fallback" not in x["headers"]
+    failed = [c["what"] for c in scenario["checks"] if c["ok"] is False]
+    assert failed == [
+        "client: HTTP 200 with an event stream",
+        "client: x-router-fallback names the model that answered (big)",
+        "journal: every attempt on tiny failed before content, then one chosen as its fallback to big "
+        "completed",
+        "journal: its fallback record names big for tiny, with one cause per failed attempt",
+        "journal: one answered_by_fallback event (big for tiny, cause failed_before_content), after the last "
+        "failed attempt",
+        "replica log: every attempt on a replica of tiny failed before any content; one on a replica of big "
+        "wrote the answer",
+    ], scenario["checks"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--scenario", "fallback"), "fallback needs --fallback-model NAME"),
+        (("--fallback-gateway", "http://127.0.0.1:1"), "--fallback-gateway needs --fallback-model"),
+        (("--model", "tiny", "--fallback-model", "tiny"), "--fallback-model must name another model"),
+        (("--fallback-model", "big", "--fallback-gateway", "gw:8080"), "--fallback-gateway 'gw:8080' is not"),
+    ],
+)
+def test_fallback_usage_errors(args: tuple[str, ...], message: str) -> None:
+    run = drill("--gateway", "http://127.0.0.1:1", *args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr

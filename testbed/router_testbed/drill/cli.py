@@ -64,6 +64,8 @@ class Options:
     replica_logs: list[Path] = field(default_factory=list)
     tool: str | None = None
     model: str | None = None
+    fallback_model: str | None = None  # the model the gateway's policy falls back to: the fallback scenario
+    fallback_gateway: str | None = None  # the gateway with that policy, when it is not `gateway`
     report: Path | None = None
     json_path: Path | None = None
     figure: Path | None = None  # one standalone SVG with the timelines of the scenarios run
@@ -136,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tool", metavar="NAME[/PATH]", help="run tool-replay against POST /tools/NAME/PATH")
     p.add_argument("--model", help="the model to ask for (default: the first of GET /v1/models)")
+    p.add_argument(
+        "--fallback-model",
+        metavar="NAME",
+        help="run the fallback scenario: the gateway's policy falls back from --model to NAME "
+        "(fallback.models, its replicas registered beside --model's); every replica of --model answers 503 "
+        "(x-sim-fault)",
+    )
+    p.add_argument(
+        "--fallback-gateway",
+        metavar="URL",
+        help="the gateway the fallback scenario runs against, when that policy is another gateway's than "
+        "--gateway's (default: --gateway)",
+    )
     p.add_argument("--report", type=Path, metavar="PATH.html", help="write the HTML report here")
     p.add_argument("--json", dest="json_path", type=Path, metavar="PATH", help="write JSON results here")
     p.add_argument(
@@ -178,6 +193,8 @@ def options_from_args(argv: Sequence[str] | None) -> Options:
         replica_logs=list(a.replica_log),
         tool=a.tool,
         model=a.model,
+        fallback_model=a.fallback_model,
+        fallback_gateway=a.fallback_gateway and gateway_base(a.fallback_gateway),
         report=a.report,
         json_path=a.json_path,
         figure=a.figure,
@@ -191,9 +208,14 @@ def options_from_args(argv: Sequence[str] | None) -> Options:
 
 def select(options: Options, hooks: Hooks) -> tuple[str, list[Scenario]]:
     """The fault mode and the scenarios to run, or a UsageError saying what to change."""
-    url = urlsplit(options.gateway)
-    if url.scheme not in ("http", "https") or not url.netloc:
-        raise UsageError(f"--gateway {options.gateway!r} is not an http(s) URL, e.g. http://127.0.0.1:8080")
+    for flag, gateway in (("--gateway", options.gateway), ("--fallback-gateway", options.fallback_gateway)):
+        url = urlsplit(gateway or "http://unset")
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise UsageError(f"{flag} {gateway!r} is not an http(s) URL, e.g. http://127.0.0.1:8080")
+    if options.fallback_gateway and not options.fallback_model:
+        raise UsageError("--fallback-gateway needs --fallback-model (the model its policy falls back to)")
+    if options.fallback_model is not None and options.fallback_model == options.model:
+        raise UsageError("--fallback-model must name another model than --model")
     for name, value in (("--timeout", options.timeout), ("--hook-timeout", options.hook_timeout)):
         if not value > 0:
             raise UsageError(f"{name} must be a number of seconds > 0")
@@ -210,12 +232,12 @@ def select(options: Options, hooks: Hooks) -> tuple[str, list[Scenario]]:
         raise UsageError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     if options.scenarios:
         chosen = [BY_NAME[n] for n in dict.fromkeys(options.scenarios)]
-        allowed = {s.name: s.runs_in(mode, hooks, options.tool) for s in chosen}
+        allowed = {s.name: s.runs_in(mode, hooks, options.tool, options.fallback_model) for s in chosen}
         refused = [f"{name} {why}" for name, (ok, why) in allowed.items() if not ok]
         if refused:
             raise UsageError(f"with --fault-mode {mode}: {'; '.join(refused)}")
     else:
-        chosen = [s for s in SCENARIOS if s.runs_in(mode, hooks, options.tool)[0]]
+        chosen = [s for s in SCENARIOS if s.runs_in(mode, hooks, options.tool, options.fallback_model)[0]]
     if not chosen:
         raise UsageError(f"no scenario can run with --fault-mode {mode}")
     return mode, run_order(chosen, mode)
@@ -304,10 +326,12 @@ def run(
     *,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    before: Callable[[Scenario], None] | None = None,
     between: Callable[[], None] | None = None,
 ) -> int:
     """Run the drill; print the verdict table to `out`, progress and errors to `err`; write the reports.
-    `between` runs after each scenario (the demo restarts a replica a scenario killed)."""
+    `before` runs before each scenario (the demo waits there for the gateway a scenario needs), `between`
+    after each (the demo restarts a replica a scenario killed)."""
     out = out or sys.stdout
     err = err or sys.stderr
     from router_testbed.drill import report
@@ -327,6 +351,17 @@ def run(
         timeout=options.timeout,
         replica_logs=options.replica_logs,
     )
+    # The fallback scenario's gateway, when its policy is another gateway's (the demo runs one for it).
+    fallback_client = (
+        Client(
+            options.fallback_gateway,
+            credential=options.credential,
+            timeout=options.timeout,
+            replica_logs=options.replica_logs,
+        )
+        if options.fallback_gateway and options.fallback_gateway != gateway_base(options.gateway)
+        else None
+    )
     started_at, started = time.time(), time.monotonic()
     run_id = time.strftime("%H%M%S") + secrets.token_hex(2)
     results: list[Result] = []
@@ -343,11 +378,13 @@ def run(
             err.write(f"router-testbed drill: no chosen scenario applies to {options.gateway} ({reasons})\n")
             return EXIT_USAGE
         client.journal = target.router_sidecar
+        if fallback_client is not None:
+            fallback_client.journal = target.router_sidecar  # a gateway of the same deployment
         runs = plan(chosen, mode, options.apis)
         # What does not apply to this gateway does not, on any API (tool-replay on none).
         skipped = [
             dataclasses.replace(
-                r, api=api if r.scenario.per_api else None, fault=r.scenario.fault_in(mode, api)
+                r, api=api if r.scenario.per_api else None, fault=r.scenario.fault_in(mode, api, model)
             )
             for api in options.apis
             for r in skipped
@@ -364,11 +401,15 @@ def run(
             oversize_bytes=options.oversize_bytes,
             timeout=options.timeout,
             router_sidecar=target.router_sidecar,
+            fallback_model=options.fallback_model,
+            fallback_client=fallback_client,
         )
         progress = Progress(len(runs), err, enabled=options.progress)
         for scenario, api in runs:
             ctx.api = api or options.apis[0]
             label = scenario.name if api is None or len(options.apis) == 1 else f"{api} {scenario.name}"
+            if before is not None:
+                before(scenario)
             progress.start(label)
             result = run_scenario(ctx, scenario)
             results.append(result)
@@ -379,6 +420,8 @@ def run(
         results += skipped
     finally:
         client.close()
+        if fallback_client is not None:
+            fallback_client.close()
     seconds = time.monotonic() - started
     color = options.color if options.color is not None else out.isatty() and not os.environ.get("NO_COLOR")
     style = report.Style(color)
@@ -390,8 +433,12 @@ def run(
         if target.router_sidecar
         else "not router-sidecar: no journal at /v1/requests/{id}, its checks are N/A"
     )
+    fallback = ""
+    if options.fallback_model is not None:
+        at = f" at {fallback_client.gateway}" if fallback_client is not None else ""
+        fallback = f", fallback model {options.fallback_model}{at}"
     out.write(
-        f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model}, "
+        f"router-testbed drill against {options.gateway} (fault mode {mode}, model {model}{fallback}, "
         f"api {', '.join(options.apis)}; {kind})\n"
     )
     out.write(report.verdict_table(results, style) + "\n\n")

@@ -273,6 +273,23 @@ class StreamView:
         return "".join(self.spec.text(p) for p in self.content)
 
     @property
+    def models(self) -> set[str]:
+        """Every model the events name, wherever their API puts it (a chat chunk's `model`, the Responses
+        `response.model`, the Messages `message.model`): the model that answered."""
+        found: set[str] = set()
+        pending: list[Any] = list(self.objects)
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                model = value.get("model")
+                if isinstance(model, str):
+                    found.add(model)
+                pending += value.values()
+            elif isinstance(value, list):
+                pending += value
+        return found
+
+    @property
     def finish_reasons(self) -> list[str]:
         return [reason for p in self.objects for reason in self.spec.finish(p)]
 

@@ -66,6 +66,9 @@ class Context:
     timeout: float = 30.0
     router_sidecar: bool = True  # the gateway keeps router-sidecar's journal (found by the pre-flight)
     api: str = apis.DEFAULT  # the API this scenario's requests speak
+    fallback_model: str | None = None  # the model the gateway's policy falls back to (fallback.models)
+    # The gateway whose policy falls back to it, when it is another one than `client`'s.
+    fallback_client: Client | None = None
 
     @property
     def sim(self) -> bool:
@@ -124,6 +127,7 @@ class Scenario:
     sim_hooks: tuple[str, ...] = ()  # ... and in sim mode (a simulator's process frozen by a hook)
     needs_fault: bool = True  # False: runs in every mode without any fault
     needs_tool: bool = False
+    needs_fallback: bool = False  # runs only with --fallback-model (a gateway whose policy falls back)
     expect: dict[str, Any] = field(default_factory=dict)  # passed to the judge (what the fault leads to)
     # Why its promise is router-sidecar's own, not one any gateway makes (None: any gateway's).
     router_sidecar_only: str | None = None
@@ -132,8 +136,10 @@ class Scenario:
     api_expect: dict[str, dict[str, Any]] = field(default_factory=dict)
     per_api: bool = True  # False: not an inference API's request (tool-replay): run once, whatever --api
 
-    def fault_for(self, api: str) -> str | None:
-        return self.api_faults.get(api, self.sim_fault)
+    def fault_for(self, api: str, model: str | None = None) -> str | None:
+        """Its simulator fault on `api`; `{model}` in it is the run's model (said so until it is known)."""
+        fault = self.api_faults.get(api, self.sim_fault)
+        return fault.replace("{model}", model or "MODEL") if fault is not None else None
 
     def expect_for(self, api: str) -> dict[str, Any]:
         return {**self.expect, **self.api_expect.get(api, {})}
@@ -146,10 +152,14 @@ class Scenario:
             return "its hook finds the serving replica in router-sidecar's journal"
         return None
 
-    def runs_in(self, mode: str, hooks: Hooks, tool: str | None) -> tuple[bool, str]:
+    def runs_in(
+        self, mode: str, hooks: Hooks, tool: str | None, fallback_model: str | None = None
+    ) -> tuple[bool, str]:
         """Whether it runs in this mode, and if not, why (for a clear usage error)."""
         if self.needs_tool and not tool:
             return False, "needs --tool NAME (a tool service routed by the gateway under /tools/NAME/)"
+        if self.needs_fallback and not fallback_model:
+            return False, "needs --fallback-model NAME (a model the gateway's fallback.models names)"
         if not self.needs_fault:
             return True, ""
         if mode == "sim":
@@ -168,9 +178,9 @@ class Scenario:
             return True, ""
         return False, "needs a fault (--fault-mode sim or hooks)"
 
-    def fault_in(self, mode: str, api: str = apis.DEFAULT) -> str:
-        """The fault this scenario injects in `mode` on `api`, for the report."""
-        sim_fault = self.fault_for(api)
+    def fault_in(self, mode: str, api: str = apis.DEFAULT, model: str | None = None) -> str:
+        """The fault this scenario injects in `mode` on `api` (requests for `model`), for the report."""
+        sim_fault = self.fault_for(api, model)
         if not self.needs_fault:
             # A pause that keeps the stream running while the drill acts; not a failure.
             return f"x-sim-fault: {sim_fault}" if mode == "sim" and sim_fault else "none"
@@ -187,7 +197,7 @@ class Scenario:
 
 
 def _request(ctx: Context, sc: Scenario, label: str, body: dict[str, Any], n: int = 1) -> Exchange:
-    fault = sc.fault_for(ctx.api) if ctx.sim else None
+    fault = sc.fault_for(ctx.api, ctx.model) if ctx.sim else None
     x = ctx.exchange(label, ctx.key(sc.name, n), fault)
     x.expected_pieces = ctx.expected_pieces(body)
     return x
@@ -276,6 +286,21 @@ def drive_freeze_in_prefill(ctx: Context, sc: Scenario) -> v.Evidence:
     x.hooks = runs
     ctx.client.settle(x, timeout=ctx.timeout)
     return v.Evidence([x], sim=ctx.sim, expect=sc.expect_for(ctx.api), hooks=runs)
+
+
+def drive_fallback(ctx: Context, sc: Scenario) -> v.Evidence:
+    """One streamed request for the run's model, to the gateway whose policy falls back to
+    `ctx.fallback_model`; in sim mode every replica of the requested model answers 503 before any content
+    (the fault is scoped to the replicas serving it), so only the fallback model's replicas can answer."""
+    assert ctx.fallback_model is not None
+    client = ctx.fallback_client or ctx.client
+    body = ctx.body(SHORT_TOKENS)
+    x = _request(ctx, sc, "the request", body)
+    x.expected_pieces = ctx.expected_pieces({**body, "model": ctx.fallback_model})  # the fallback's text
+    client.send(x, json_body=body)
+    client.settle(x, timeout=ctx.timeout)
+    expect = {**sc.expect_for(ctx.api), "fallback_model": ctx.fallback_model, "requested_model": ctx.model}
+    return v.Evidence([x], sim=ctx.sim, expect=expect)
 
 
 def drive_disconnect(ctx: Context, sc: Scenario) -> v.Evidence:
@@ -559,12 +584,31 @@ SCENARIOS: tuple[Scenario, ...] = (
         hooks=("freeze", "thaw"),
         sim_hooks=("freeze", "thaw"),
     ),
+    Scenario(
+        "fallback",
+        "fallback to another model",
+        "Every replica of the requested model answers 503 before any content: the gateway's fallback model "
+        "answers instead, before the first delta only and said out loud — its own answer (its model, its "
+        "usage), x-router-fallback naming it, the journal saying why.",
+        "issue 25, docs/design.md#fallback",
+        "one complete answer whose events name the fallback model, with usage; x-router-fallback names it; "
+        "journal completed: the requested model's attempts failed, then one chosen as the fallback, its "
+        "fallback record (model, requested_model, one cause per failed attempt) and answered_by_fallback "
+        "event; the replica log shows the requested model's replicas failed before content",
+        drive_fallback,
+        v.judge_fallback,
+        sim_fault="status503@headers model={model}",
+        needs_fallback=True,
+        expect={"cause": "failed_before_content"},
+    ),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 def _rank(s: Scenario, mode: str) -> int:
+    if s.needs_fallback:
+        return 3
     used = s.sim_hooks if mode == "sim" else s.hooks if mode == "hooks" else ()
     return 2 if "kill" in used else 1 if used else 0
 
@@ -572,7 +616,8 @@ def _rank(s: Scenario, mode: str) -> int:
 def run_order(selected: list[Scenario], mode: str) -> list[Scenario]:
     """Matrix order, except that the scenarios that hurt a replica through a hook run last: a thawed replica
     is back only when the gateway's health probe sees it again, a killed one when its own supervisor
-    restarts it; the kill runs after the freezes."""
+    restarts it; the kill runs after the freezes. The fallback, after every failover of the model's own
+    (another model answers: the matrix's last word; the demo's gateway for it warms up meanwhile)."""
     return sorted(selected, key=lambda s: _rank(s, mode))
 
 
@@ -634,7 +679,7 @@ def run_scenario(ctx: Context, sc: Scenario) -> Result:
         sc,
         verdict,
         evidence,
-        sc.fault_in(ctx.mode, ctx.api),
+        sc.fault_in(ctx.mode, ctx.api, ctx.model),
         time.monotonic() - started,
         not_applicable=inconclusive,
         api=ctx.api if sc.per_api else None,

@@ -390,9 +390,9 @@ def _runs(numbers: list[Any]) -> str:
     return parts[0] if len(parts) == 1 else f"[{', '.join(parts)}]"
 
 
-def check_complete(v: Verdict, x: Exchange, *, attempts: int) -> StreamView | None:
+def check_complete(v: Verdict, x: Exchange, *, attempts: int | None) -> StreamView | None:
     """One complete answer ending in the API's clean end, and a journal that says so with `attempts`
-    attempts."""
+    attempts (None: the caller checks them)."""
     if not v.check("client: HTTP 200 with an event stream", x.is_event_stream, _ended(x)):
         return None
     view = read_stream(x)
@@ -418,7 +418,8 @@ def check_complete(v: Verdict, x: Exchange, *, attempts: int) -> StreamView | No
     check_stream_shape(v, x, view)
     if check_record(v, x):
         check_journal(v, x, "completed", "completed", first_delta=True)
-        check_attempts(v, x, attempts)
+        if attempts is not None:
+            check_attempts(v, x, attempts)
         j = x.journal or {}
         v.check(
             "journal: delivered_output_tokens equals what the client got",
@@ -1022,6 +1023,113 @@ def judge_all_replicas_fail(v: Verdict, x: Exchange, ev: Evidence) -> None:
         )
         check_leases(v, x)
     check_replica_log(v, x, ev)
+
+
+@_judge_of_main
+def judge_fallback(v: Verdict, x: Exchange, ev: Evidence) -> None:
+    """Every replica of the requested model fails before content; the fallback model answers: one complete
+    answer that is the fallback's own (every event names its model; its usage), said out loud (the
+    `x-router-fallback` header, the journal's `fallback` record and its `answered_by_fallback` event)."""
+    fallback, requested = str(ev.expect["fallback_model"]), str(ev.expect["requested_model"])
+    view = check_complete(v, x, attempts=None)
+    if view is not None:
+        v.check(
+            f"client: the answer is the fallback model's own: its events name {fallback}, none {requested}",
+            view.models == {fallback},
+            f"the events name {sorted(view.models) or 'no model'}",
+        )
+        v.check(
+            "client: the answer carries its usage (the fallback's output tokens)",
+            bool(view.usage_tokens),
+            f"usage: {view.usage_tokens} output tokens, {_plural(len(view.content), 'content event')}",
+        )
+    header = x.headers.get("x-router-fallback")
+    v.check_router_sidecar(
+        f"client: x-router-fallback names the model that answered ({fallback})",
+        header == fallback,
+        f"x-router-fallback: {header or '(absent)'}",
+    )
+    record = (x.journal or {}).get("fallback") if x.has_record else None
+    if view is not None:
+        v.note(
+            f"answered by {fallback} for {requested}: x-router-fallback: {header or '(absent)'}; the events "
+            f"name {', '.join(sorted(view.models)) or 'no model'}; usage {view.usage_tokens} output tokens; "
+            f"journal fallback: {json.dumps(record) if record is not None else '(none)'}"
+        )
+    if v.router_sidecar and x.has_record:
+        check_fallback_journal(v, x, ev, fallback, requested)
+    if ev.sim and x.replica_records:
+        ends = _ends(x)
+        own = [r for r in ends if r.get("model") == requested]
+        answers = [r for r in ends if r.get("model") == fallback]
+        v.check(
+            f"replica log: every attempt on a replica of {requested} failed before any content; one on a "
+            f"replica of {fallback} wrote the answer",
+            bool(own)
+            and all(r.get("faults_fired") and r.get("content_events_written") == 0 for r in own)
+            and [(r.get("outcome"), r.get("faults_fired")) for r in answers] == [("completed", [])]
+            and len(own) + len(answers) == len(ends),
+            "replica records: "
+            + str(
+                [
+                    (r.get("replica"), r.get("model"), r.get("outcome"), r.get("content_events_written"))
+                    for r in ends
+                ]
+            ),
+        )
+    check_replica_log(v, x, ev)
+
+
+def check_fallback_journal(v: Verdict, x: Exchange, ev: Evidence, fallback: str, requested: str) -> None:
+    """The journal's account of a fallback: the requested model's attempts failed, then one attempt chosen as
+    the fallback completed; the `fallback` record names both models and one cause per failed attempt; one
+    `answered_by_fallback` event (its cause), after the last failure; `x-router-attempts` counts them all."""
+    attempts = x.attempts
+    own, last = attempts[:-1], attempts[-1] if attempts else {}
+    v.check(
+        f"journal: every attempt on {requested} failed before content, then one chosen as its fallback "
+        f"to {fallback} completed",
+        bool(own)
+        and all(a.get("outcome") == "failed" for a in own)
+        and not any(str(a.get("chosen_by")).startswith("fallback") for a in own)
+        and last.get("outcome") == "completed"
+        and str(last.get("chosen_by")).startswith(f"fallback to model {fallback},"),
+        "; ".join(f"#{a.get('attempt')} {a.get('outcome')} ({a.get('chosen_by')})" for a in attempts),
+    )
+    record = (x.journal or {}).get("fallback")
+    causes = record.get("causes") if isinstance(record, dict) else None
+    v.check(
+        f"journal: its fallback record names {fallback} for {requested}, with one cause per failed attempt",
+        isinstance(record, dict)
+        and (record.get("model"), record.get("requested_model")) == (fallback, requested)
+        and isinstance(causes, list)
+        and len(causes) == len(own)
+        and all(
+            str(c).startswith(f"attempt {a.get('attempt')} on {a.get('replica')}: ")
+            for c, a in zip(causes, own, strict=False)
+        ),
+        f"fallback: {json.dumps(record)}",
+    )
+    names = _trace_names(x)
+    events = [e for e in x.trace if e.get("event") == "answered_by_fallback"]
+    cause = ev.expect.get("cause", "failed_before_content")
+    failures = [i for i, name in enumerate(names) if name == "attempt_failed"]
+    v.check(
+        f"journal: one answered_by_fallback event ({fallback} for {requested}, cause {cause}), after the "
+        "last failed attempt",
+        len(events) == 1
+        and (events[0].get("model"), events[0].get("requested_model"), events[0].get("reason"))
+        == (fallback, requested, cause)
+        and bool(failures)
+        and names.index("answered_by_fallback") > failures[-1],
+        f"answered_by_fallback: {json.dumps(events)}; trace {names}",
+    )
+    counted = x.headers.get("x-router-attempts")
+    v.check(
+        "client: x-router-attempts counts every attempt the journal lists",
+        counted == str(len(attempts)),
+        f"x-router-attempts: {counted}, journal {_plural(len(attempts), 'attempt')}",
+    )
 
 
 def judge_duplicate_key(ev: Evidence) -> Verdict:
