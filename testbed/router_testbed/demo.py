@@ -1,5 +1,11 @@
 """`router-testbed demo`: etcd + two simulated replicas + the gateway on loopback, then the drill against it.
 
+Beside it, a fallback pool for the drill's `fallback` scene: two replicas of the same model and one of
+another (`big`), each registered in etcd by its `router-sidecar replica` agent, behind a second gateway whose
+policy falls back to `big` (a fallback needs discovery: the registry says which replica serves which model;
+static `--replica`s are refused with it). Every replica of the requested model answers 503 there, and the
+scene shows `big` answering, said out loud.
+
 The demo only builds the stack; the scenarios, their checks and the reports are the drill's
 (`router_testbed.drill`, the same code as `router-testbed drill --gateway URL`), run in-process with the
 simulator's fault header, the replicas' own logs, and in-process hooks that freeze and thaw a replica
@@ -8,7 +14,8 @@ HTML report (a timeline per request) and JSON results into the work dir, whose p
 is kept after the run, the rest of the work dir only with ``--keep``.
 
 ``--real-vllm`` runs two real vLLM replicas instead and the drill in hooks mode, with in-process hooks
-that kill, freeze and thaw a replica's process group.
+that kill, freeze and thaw a replica's process group (without the fallback pool: its scene needs the
+simulator's fault).
 
 Exit code 0 only if every scenario passed. Every process runs on 127.0.0.1 and is stopped in a
 ``finally`` (also on Ctrl-C and SIGTERM).
@@ -29,12 +36,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from router_sidecar.runtime.supervise import Child, find_etcd, free_port, http_ok, wait_until
+from router_sidecar.runtime.supervise import Child, envoy_admin, find_etcd, free_port, http_ok, wait_until
 from router_testbed.drill import Options, run
 from router_testbed.drill.report import Style
+from router_testbed.drill.scenarios import Scenario
 from router_testbed.sim.process import SimProcess, spawn
 
 REPLICA_NAMES = ("replica-a", "replica-b")
+MODEL = "tiny"  # what the demo's replicas serve (the simulator's default)
+FALLBACK_MODEL = "big"
+# The fallback scene's pool, by replica name: the requested model's replicas (all of them fail) and one of
+# the model the policy falls back to.
+FALLBACK_POOL = {"tiny-a": MODEL, "tiny-b": MODEL, "big-a": FALLBACK_MODEL}
+FALLBACK_POLICY = f"fallback:\n  models: [{FALLBACK_MODEL}]\n  causes: [failed_before_content]\n"
+GATEWAY_START_TIMEOUT = 40.0
 PREFILL_DELAY = 0.05
 TOKEN_INTERVAL = 0.02
 FAST_TOKEN_INTERVAL = 0.002
@@ -54,9 +69,10 @@ def out(text: str = "", end: str = "\n") -> None:
 
 
 class Stack:
-    """etcd, two simulated replicas and the gateway, all on loopback under ``work``."""
+    """etcd, two simulated replicas and the gateway, all on loopback under ``work``; with ``fallback_pool``
+    also the fallback scene's replicas, their agents and its gateway."""
 
-    def __init__(self, work: Path, *, token_interval: float) -> None:
+    def __init__(self, work: Path, *, token_interval: float, fallback_pool: bool = False) -> None:
         self.work = work
         self.token_interval = token_interval
         self.etcd: Child | None = None
@@ -64,13 +80,23 @@ class Stack:
         self.sims: dict[str, SimProcess] = {}
         self.gateway: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.with_fallback_pool = fallback_pool
+        self.pool_sims: dict[str, SimProcess] = {}
+        self.agents: list[Child] = []
+        self.fallback_gateway: subprocess.Popen[bytes] | None = None
+        self.fallback_url = ""
+        self.fallback_pool_up = False
 
     def sim_log(self, name: str) -> Path:
         return self.work / f"sim-{name}.jsonl"
 
-    def _spawn_sim(self, name: str, port: int = 0) -> SimProcess:
+    def replica_logs(self) -> list[Path]:
+        """Every simulated replica's log, the fallback pool's too: the drill reads what each one saw."""
+        return [self.sim_log(name) for name in (*REPLICA_NAMES, *self.pool_sims)]
+
+    def _spawn_sim(self, name: str, port: int = 0, model: str = MODEL) -> SimProcess:
         args = ["--prefill-delay", str(PREFILL_DELAY), "--token-interval", str(self.token_interval)]
-        return spawn(name=name, port=port, log_path=self.sim_log(name), args=args)
+        return spawn(name=name, port=port, log_path=self.sim_log(name), args=[*args, "--model", model])
 
     def _start_etcd(self) -> None:
         # Like supervise.start_etcd, but the Child is ours before the health wait, so a Ctrl-C or a
@@ -98,11 +124,68 @@ class Stack:
         )
 
     def start(self) -> None:
+        """Everything, up; the fallback pool and its gateway only launched (`wait_fallback_pool`)."""
         t0 = time.monotonic()
         self._start_etcd()
+        if self.with_fallback_pool:
+            # First: a gateway without --replica takes its replicas from the registry, and its Envoy warms
+            # its EDS cluster for up to 5 s at start-up; that overlaps the rest of the demo.
+            policy = self.work / "fallback-policy.yaml"
+            policy.write_text(FALLBACK_POLICY)
+            self.fallback_gateway, self.fallback_url = self._launch_gateway(
+                "gateway-fallback", ["--policy", str(policy)]
+            )
         self._start_replicas()
+        if self.with_fallback_pool:
+            self._start_fallback_pool()
+        static = [arg for address in self.replica_addresses().values() for arg in ("--replica", address)]
+        self.gateway, self.url = self._launch_gateway("gateway", static)
+        self._wait_ready("gateway", self.gateway)
+        out(S.dim(f"  etcd {self.etcd_endpoint}; {self.describe_replicas()}"))
+        out(
+            S.dim(
+                f"  gateway {self.url} (Envoy + sidecar, pid {self.gateway.pid}); "
+                f"up in {time.monotonic() - t0:.1f}s"
+            )
+        )
+
+    def wait_fallback_pool(self) -> None:
+        """Until the fallback gateway is ready and its Envoy has every replica of the pool as a healthy host
+        (the scene must meet all of the requested model's replicas failing, and the fallback model's)."""
+        if self.fallback_gateway is None or self.fallback_pool_up:
+            return
+        self._wait_ready("gateway-fallback", self.fallback_gateway)
+        admin = self.work / "gateway-fallback" / "admin.sock"
+        wanted = {sim.address for sim in self.pool_sims.values()}
+
+        def routable() -> bool:
+            for agent in self.agents:
+                if not agent.alive():
+                    raise RuntimeError(f"{agent.name} exited with {agent.proc.returncode}:\n{agent.tail()}")
+            answer = envoy_admin(admin, "/clusters")
+            lines = answer[1].decode().splitlines() if answer is not None and answer[0] == 200 else []
+            rows = [line.split("::") for line in lines]  # llm::HOST:PORT::health_flags::healthy
+            return wanted <= {r[1] for r in rows if r[0] == "llm" and r[2:] == ["health_flags", "healthy"]}
+
+        wait_until(routable, timeout=GATEWAY_START_TIMEOUT, what="the fallback pool healthy in its gateway")
+        self.fallback_pool_up = True
+        pool = ", ".join(f"{n} {s.address} ({FALLBACK_POOL[n]})" for n, s in self.pool_sims.items())
+        out(
+            S.dim(
+                f"  fallback gateway {self.fallback_url} (Envoy + sidecar, pid {self.fallback_gateway.pid}; "
+                f"policy fallback.models [{FALLBACK_MODEL}]) over {pool}, registered by their agents\n"
+            )
+        )
+
+    def before_scenario(self, scenario: Scenario) -> None:
+        """Before each drill scenario: the fallback scene's gateway and pool must be up."""
+        if scenario.needs_fallback:
+            self.wait_fallback_pool()
+
+    def _launch_gateway(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+        """`router-sidecar gateway` on a free port with these extra arguments, its output in `name`.out/.err
+        and its work dir (Envoy's admin socket) in `name`/; not waited for (`_wait_ready`)."""
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
         argv = [
             sys.executable,
             "-m",
@@ -113,29 +196,35 @@ class Stack:
             "--etcd",
             self.etcd_endpoint,
             "--work-dir",
-            str(self.work / "gateway"),
+            str(self.work / name),
+            *args,
         ]
-        for address in self.replica_addresses().values():
-            argv += ["--replica", address]
-        gw_out = self.work / "gateway.out"
-        with open(gw_out, "wb") as stdout, open(self.work / "gateway.err", "wb") as stderr:
+        with open(self.work / f"{name}.out", "wb") as stdout, open(self.work / f"{name}.err", "wb") as stderr:
             # Own session: Ctrl-C reaches only the demo, which then stops the gateway in order.
-            self.gateway = subprocess.Popen(
+            proc = subprocess.Popen(
                 argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True
             )
-        deadline = time.monotonic() + 40
-        while b"ready" not in gw_out.read_bytes():
-            if self.gateway.poll() is not None or time.monotonic() > deadline:
-                err = (self.work / "gateway.err").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"gateway did not become ready (exit {self.gateway.poll()}):\n{err}")
+        return proc, f"http://127.0.0.1:{port}"
+
+    def _wait_ready(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        """Until the gateway says `ready:` (it has a replica to send to)."""
+        said = self.work / f"{name}.out"
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT
+        while not any(line.startswith(b"ready:") for line in said.read_bytes().splitlines()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = (self.work / f"{name}.err").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} did not become ready (exit {proc.poll()}):\n{err}")
             time.sleep(0.05)
-        out(S.dim(f"  etcd {self.etcd_endpoint}; {self.describe_replicas()}"))
-        out(
-            S.dim(
-                f"  gateway {self.url} (Envoy + sidecar, pid {self.gateway.pid}); "
-                f"up in {time.monotonic() - t0:.1f}s"
-            )
-        )
+
+    def _start_fallback_pool(self) -> None:
+        """The fallback scene's replicas, each with a `router-sidecar replica` agent registering it (and the
+        model it serves) in etcd; the agents are not waited for (`wait_fallback_pool`)."""
+        for name, model in FALLBACK_POOL.items():
+            self.pool_sims[name] = self._spawn_sim(name, model=model)
+        for name, sim in self.pool_sims.items():
+            argv = [sys.executable, "-m", "router_sidecar", "replica", "--engine", sim.address]
+            argv += ["--advertise", sim.address, "--etcd", self.etcd_endpoint]
+            self.agents.append(Child(f"agent-{name}", argv, log_path=self.work / f"agent-{name}.log"))
 
     def _start_replicas(self) -> None:
         for name in REPLICA_NAMES:
@@ -148,12 +237,13 @@ class Stack:
         return ", ".join(f"{n} {s.address} (pid {s.pid})" for n, s in self.sims.items())
 
     def check_gateway(self) -> None:
-        """Fail loudly if the gateway process is gone (its exit code tells a crash from a signal)."""
-        if self.gateway is not None and (code := self.gateway.poll()) is not None:
-            err = (self.work / "gateway.err").read_text(errors="replace")[-2000:]
-            raise RuntimeError(
-                f"the gateway process exited with {code} (negative = killed by that signal):\n{err}"
-            )
+        """Fail loudly if a gateway process is gone (its exit code tells a crash from a signal)."""
+        for name, proc in (("gateway", self.gateway), ("gateway-fallback", self.fallback_gateway)):
+            if proc is not None and (code := proc.poll()) is not None:
+                err = (self.work / f"{name}.err").read_text(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"the {name} process exited with {code} (negative = killed by that signal):\n{err}"
+                )
 
     def restart_dead_sims(self) -> list[str]:
         """Start again, on the same port, every replica whose process has exited."""
@@ -184,19 +274,17 @@ class Stack:
             out(S.yellow(f"  note: replica process gone: {note}"))
 
     def stop(self) -> None:
-        """Stop the gateway (it stops Envoy), then the replicas, then etcd; each even if another fails."""
+        """Stop the gateways (each stops its Envoy), the agents, then the replicas, then etcd; each even if
+        another fails."""
         try:
-            if self.gateway is not None and self.gateway.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.gateway.pid, signal.SIGTERM)
-                try:
-                    self.gateway.wait(15)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.gateway.pid, signal.SIGKILL)
-                    self.gateway.wait(5)
+            for proc in (self.gateway, self.fallback_gateway):
+                with contextlib.suppress(Exception):
+                    _stop_gateway(proc)
+            for agent in self.agents:
+                with contextlib.suppress(Exception):
+                    agent.stop()
         finally:
-            for sim in self.sims.values():
+            for sim in (*self.sims.values(), *self.pool_sims.values()):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(sim.pid, signal.SIGCONT)  # a frozen replica must be able to act on SIGTERM
                 with contextlib.suppress(Exception):
@@ -207,6 +295,20 @@ class Stack:
 
     def _stop_replicas(self) -> None:
         """Extra replicas of a subclass (the simulators are stopped in ``stop``)."""
+
+
+def _stop_gateway(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM to the gateway's session (it stops Envoy), SIGKILL if it is still there after 15 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
 
 
 # --------------------------------------------------------------------------- --real-vllm
@@ -304,7 +406,12 @@ def _drill_options(stack: Stack, work: Path, *, real: bool) -> Options:
         options.timeout = 60.0  # a frozen replica is lost by the sidecar's health probe, on a busy CPU
     else:
         options.fault_mode = "sim"
-        options.replica_logs = [stack.sim_log(name) for name in REPLICA_NAMES]
+        options.replica_logs = stack.replica_logs()
+    if stack.fallback_url:
+        # The fallback scene: its own gateway, whose policy falls back from the demo's model to big's.
+        options.model = MODEL
+        options.fallback_model = FALLBACK_MODEL
+        options.fallback_gateway = stack.fallback_url
     options.hook_functions = {
         action: (lambda address, sig=sig: stack.signal_replica(address, sig))
         for action, sig in signals.items()
@@ -357,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         stack = RealStack(work, engine)
         what = f"etcd + 2 real {ENGINE_NAMES[engine]} replicas + Envoy, faults by hooks on their processes"
     else:
-        stack = Stack(work, token_interval=FAST_TOKEN_INTERVAL if args.fast else TOKEN_INTERVAL)
-        what = "etcd + 2 simulated replicas + Envoy, faults by the simulator's x-sim-fault header"
+        token_interval = FAST_TOKEN_INTERVAL if args.fast else TOKEN_INTERVAL
+        stack = Stack(work, token_interval=token_interval, fallback_pool=True)
+        what = (
+            "etcd + 2 simulated replicas + Envoy, and a fallback pool (2 replicas of tiny, 1 of big) behind "
+            "a second gateway; faults by the simulator's x-sim-fault header"
+        )
     code = 1
     ran = False  # whether the drill ran: if not, the logs are what is left to look at
     try:
@@ -369,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             options = _drill_options(stack, work, real=args.real)
             # A killed engine takes 30+ s to come back and the kill runs last: nothing to restart for.
             between = None if args.real else stack.between_scenarios
-            code = run(options, between=between)
+            code = run(options, before=stack.before_scenario, between=between)
             ran = True
             stack.check_gateway()
     except KeyboardInterrupt:
