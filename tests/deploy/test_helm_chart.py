@@ -109,6 +109,25 @@ def test_lint_strict(values: str | None) -> None:
         ),
         (("endpointPicker.enabled=true", "endpointPicker.address=no-port"), "endpointPicker/address"),
         (("inferencePool.create=true", "replica.enabled=false"), "needs replica.enabled=true"),
+        (("replicaPools[0].name=big",), "missing property 'fingerprint'"),
+        (("replicaPools[0].name=Big", "replicaPools[0].fingerprint.block_size=16"), "replicaPools/0/name"),
+        (
+            (
+                "replicaPools[0].name=big",
+                "replicaPools[0].fingerprint.block_size=16",
+                "replicaPools[1].name=big",
+                "replicaPools[1].fingerprint.block_size=16",
+            ),
+            'the name "big" is given twice',
+        ),
+        (
+            (
+                "replicaPools[0].name=big",
+                "replicaPools[0].fingerprint.block_size=16",
+                "replica.enabled=false",
+            ),
+            "they need replica.enabled=true",
+        ),
         (("image.digest=sha256:abc",), "image/digest"),
     ],
 )
@@ -157,6 +176,86 @@ def test_default_fingerprint_is_the_example(tmp_path: Any) -> None:
 def _replica(objects: list[Obj], release: str = RELEASE) -> Obj:
     _, spec = next((w, s) for w, s in pod_specs(objects) if w["metadata"]["name"] == f"{release}-replica")
     return spec
+
+
+# -- a fallback pool ---------------------------------------------------------------------------------------
+
+
+def test_fallback_values_render_a_primary_and_a_fallback_pool_and_the_policy(tmp_path: Any) -> None:
+    """values-fallback.yaml: the primary pool (the chart's replica Deployment) and a fallback pool of another
+    model (replicaPools: its own Deployment, agents, fingerprint and NetworkPolicy), and the gateways' policy
+    falling back to that model. Gateways find both pools in the registry (no --replica), each agent
+    registers its engine's model as its fingerprint declares it, and the two Deployments never select each
+    other's Pods."""
+    values = yaml.safe_load((HELM_DIR / "values-fallback.yaml").read_text())
+    objects = render("values-fallback.yaml")
+    fallback_model = "Qwen/Qwen2.5-1.5B-Instruct"
+
+    policy = load_policy_text(find(objects, "ConfigMap", f"{RELEASE}-policy")["data"]["policy.yaml"])
+    assert policy.fallback.models == (fallback_model,)
+    assert policy.fallback.causes == {
+        "failed_before_content",
+        "overloaded",
+        "no_compatible_replica",
+        "unavailable",
+    }
+    assert "--replica" not in container(_gateway(objects), "envoy-config")["args"]  # discovery
+
+    primary = find(objects, "Deployment", f"{RELEASE}-replica")
+    pool = find(objects, "Deployment", f"{RELEASE}-replica-fallback")
+    assert (primary["spec"]["replicas"], pool["spec"]["replicas"]) == (2, 1)
+    served = {}
+    for workload, configmap in (
+        (primary, f"{RELEASE}-fingerprint"),
+        (pool, f"{RELEASE}-fingerprint-fallback"),
+    ):
+        spec = pod_template(workload)["spec"]
+        engine, agent = container(spec, "engine"), container(spec, "replica-agent")
+        volume = next(v for v in spec["volumes"] if v["name"] == "fingerprint")
+        assert volume["configMap"]["name"] == configmap
+        path = tmp_path / f"{configmap}.yaml"
+        path.write_text(find(objects, "ConfigMap", configmap)["data"]["fingerprint.yaml"])
+        # The agent refuses to register an engine whose model its fingerprint does not declare.
+        assert _flag(agent, "--fingerprint") == "/etc/router-sidecar/fingerprint.yaml"
+        assert engine["args"][:2] == ["serve", load_fingerprint_file(path).model_id]
+        served[workload["metadata"]["name"]] = engine["args"][1]
+        # The rest is the primary's: the same image, port and resources.
+        assert engine["image"] == container(_replica(objects), "engine")["image"]
+    assert served == {
+        f"{RELEASE}-replica": "Qwen/Qwen2.5-0.5B-Instruct",
+        f"{RELEASE}-replica-fallback": fallback_model,
+    }
+    assert values["policy"]["fallback"]["models"] == [served[f"{RELEASE}-replica-fallback"]]
+
+    # Neither Deployment selects the other's Pods; each set's NetworkPolicy admits the gateways to its port.
+    pods = {w["metadata"]["name"]: pod_template(w)["metadata"]["labels"] for w in (primary, pool)}
+    for workload in (primary, pool):
+        selector = workload["spec"]["selector"]["matchLabels"]
+        assert [n for n, labels in pods.items() if _selects(selector, labels)] == [
+            workload["metadata"]["name"]
+        ]
+        rule = find(objects, "NetworkPolicy", workload["metadata"]["name"])["spec"]
+        assert [n for n, labels in pods.items() if _selects(rule["podSelector"]["matchLabels"], labels)] == [
+            workload["metadata"]["name"]
+        ]
+        [ingress] = rule["ingress"]
+        gateway_labels = pod_template(find(objects, "Deployment", f"{RELEASE}-gateway"))["metadata"]["labels"]
+        assert _selects(ingress["from"][0]["podSelector"]["matchLabels"], gateway_labels)
+        advertise = _flag(container(pod_template(workload)["spec"], "replica-agent"), "--advertise")
+        assert [p["port"] for p in ingress["ports"]] == [int(advertise.rpartition(":")[2])]
+
+    # A change of the pool's fingerprint rolls the pool only: the primary's engines keep their loaded model.
+    def fingerprint_checksums(objects: list[Obj]) -> list[str]:
+        return [
+            pod_template(find(objects, "Deployment", name))["metadata"]["annotations"]["checksum/fingerprint"]
+            for name in (f"{RELEASE}-replica", f"{RELEASE}-replica-fallback")
+        ]
+
+    before = fingerprint_checksums(objects)
+    after = fingerprint_checksums(
+        render("values-fallback.yaml", sets=("replicaPools[0].fingerprint.block_size=32",))
+    )
+    assert after[0] == before[0] and after[1] != before[1]
 
 
 # -- Helm's own conventions -------------------------------------------------------------------------------

@@ -309,10 +309,13 @@ def test_etcd_network_policy_admits_only_gateways_agents_defrag_and_peers(
     rendered: dict[str, list[Obj]], name: str
 ) -> None:
     admitted = _etcd_admitted(rendered[name])
+    # Every replica set's agents register in etcd: the chart's own and each pool's (values-fallback.yaml).
+    pools = [f"router-sidecar-replica-{p['name']}" for p in values_of(name).get("replicaPools", [])]  # type: ignore[attr-defined]
     assert admitted == {
         2379: {
             "router-sidecar-gateway",
             "router-sidecar-replica",
+            *pools,
             "router-sidecar-etcd-defrag",
             "router-sidecar-etcd",
         },

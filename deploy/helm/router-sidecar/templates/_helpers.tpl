@@ -82,7 +82,12 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 
 {{/* The port the replicas are reached at (the agent's --advertise): the front's, or the engine's. */}}
 {{- define "router-sidecar.replicaPort" -}}
-{{- if .Values.replica.agent.front.enabled }}{{ int .Values.replica.agent.front.port }}{{ else }}{{ int .Values.replica.engine.port }}{{ end }}
+{{- include "router-sidecar.advertisedPort" .Values.replica }}
+{{- end }}
+
+{{/* The same for a replica set's values (replica's, or a pool's merged over them). */}}
+{{- define "router-sidecar.advertisedPort" -}}
+{{- if .agent.front.enabled }}{{ int .agent.front.port }}{{ else }}{{ int .engine.port }}{{ end }}
 {{- end }}
 
 {{/* Value checks that hold for every render. */}}
