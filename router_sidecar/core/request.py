@@ -238,6 +238,7 @@ class DownstreamLost:
     cause: DownstreamLoss
     client_status: int | None = None  # what Envoy's access log says the client got (None: unknown)
     envoy_attempts: int | None = None  # how many attempts Envoy made, by its access log
+    client_body_bytes: int | None = None  # the body bytes Envoy sent the client, by its access log
 
 
 @dataclass(frozen=True, slots=True)
@@ -622,6 +623,19 @@ class LogicalRequest:
         """The write-ahead fact: content of an attempt may have reached the client (so no retry, ever).
         False again if Envoy retried after all: the release never reached its router."""
         return self._response.content_events > 0 or any(a.first_delta for a in self.attempts)
+
+    @property
+    def content_passed(self) -> bool:
+        """Content of the response, or its end, has passed the client filter: the earliest a client may be
+        shown the response's headers (a non-stream answer is its content)."""
+        response = self._response
+        return (
+            response.content_events > 0
+            or response.done_seen
+            or response.finished
+            or response.ended
+            or not response.streaming
+        )
 
     @property
     def publisher(self) -> Attempt | None:
@@ -1470,7 +1484,10 @@ class LogicalRequest:
         # Headers (and chunks) we passed may still have been replaced by Envoy's own answer: a reset right
         # after them, before Envoy had written them out. Then nothing we passed reached the client.
         replaced = e.client_status is not None and e.client_status != self._response.status
-        if replaced or (self._response.status is None and self.phase is Phase.PREFILL):
+        # Or the client got our headers and not one byte of the body: the reset came between the two replies
+        # that answer them (docs/design.md#the-two-filter-placements). What we forwarded never reached it.
+        empty = e.client_body_bytes == 0 and cause is DownstreamLoss.UPSTREAM_RESET
+        if replaced or empty or (self._response.status is None and self.phase is Phase.PREFILL):
             self._response.content_events, self._response.usage_tokens = 0, None
             delivered = 0
             # Nothing went out: Envoy answered the client itself (or nobody could) before any attempt's

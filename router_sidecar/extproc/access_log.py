@@ -144,6 +144,7 @@ class AccessLogServicer:
                         classify(common.response_flags),
                         code,
                         attempts=common.upstream_request_attempt_count or None,
+                        body_bytes=entry.response.response_body_bytes if code is not None else None,
                     )
                     self._journal_picker_answer(entry)
         return als_pb2.StreamAccessLogsResponse()

@@ -130,6 +130,9 @@ class PassThrough:
     async def on_response_body(self, chunk: bytes, end_of_stream: bool) -> m.Reply | None:
         return m.streamed_body(chunk, end_of_stream)
 
+    async def on_response_trailers(self) -> m.Reply | None:
+        return m.RESPONSE_TRAILERS_CONTINUE
+
     def on_stream_end(self) -> None:
         pass
 
@@ -182,6 +185,13 @@ class Inference(PassThrough):
         # The machine's reply to the message being handled (request body, response headers), when it comes.
         self._reply: asyncio.Future[r.Decision] | None = None
         self._headers_only = False  # the response being answered has no body (its headers end it)
+        # Our reply to the response headers, and the body before the first content (a stream's preamble),
+        # held until the chunk with the first content (or the end) is answered: the client gets no `200`
+        # before content passed here, so a reset in between is Envoy's own JSON error (journaled as nothing
+        # delivered), never a 200 cut short with nothing in it (docs/design.md#the-two-filter-placements).
+        # Bounded: what comes before the first content was held by the attempt (max_held_response_bytes).
+        self._held_headers: m.Reply | None = None
+        self._held_body = b""
 
     # --- admission -------------------------------------------------------------------------------------
 
@@ -372,9 +382,11 @@ class Inference(PassThrough):
             # Unsolicited, while Envoy waits for the response headers: it answers the client and resets the
             # upstream request (verified on Envoy 1.40).
             assert self._live is not None
+            self._held_headers = None  # answered instead
             await self._writer.write(self._immediate(self._live.request, decision.error), ends_stream=True)
         elif isinstance(decision, r.Terminate):
             # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream (= cancel).
+            await self._release_headers()
             await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
         elif self._reply is not None and not self._reply.done():
             self._reply.set_result(decision)
@@ -414,7 +426,24 @@ class Inference(PassThrough):
             return None  # the client was answered already
         if isinstance(decision, r.ReplaceResponse):
             return self._replace(request, decision.error)
-        return m.response_headers_reply(m.header_mutation(views.request_id_headers(request)))
+        reply = m.response_headers_reply(m.header_mutation(views.request_id_headers(request)))
+        if self._headers_only:
+            return reply
+        self._held_headers = reply  # written with the first body chunk's answer (`_release_headers`)
+        return None
+
+    async def _release_headers(self, then: bytes = b"", end_of_stream: bool = False) -> None:
+        """Our held reply to the response headers, then the held body and `then` (a stream's messages are
+        answered in order)."""
+        held, self._held_headers = self._held_headers, None
+        body, self._held_body = self._held_body + then, b""
+        await self._writer.write(held)
+        if body or end_of_stream:
+            await self._writer.write(m.streamed_body(body, end_of_stream))
+
+    async def on_response_trailers(self) -> m.Reply | None:
+        await self._release_headers()
+        return m.RESPONSE_TRAILERS_CONTINUE
 
     def _replace(self, request: r.LogicalRequest, error: r.ClientError) -> m.ProcessingResponse:
         if self._headers_only:
@@ -455,15 +484,24 @@ class Inference(PassThrough):
             for decision in await live.feed(r.PublisherLost("lease_lost")):
                 if isinstance(decision, r.Terminate):
                     return None
-        reply: m.Reply | None = None
+        forward: r.Forward | None = None
         for decision in request.handle(r.ResponseChunk(chunk, end_of_stream)):
             if isinstance(decision, r.Forward):
-                reply = m.streamed_body(decision.data, decision.end_of_stream)
+                forward = decision
             elif isinstance(decision, r.Terminate):
                 # Our end_of_stream ends the client stream cleanly and makes Envoy reset the upstream.
+                await self._release_headers()
                 await self._writer.write(m.streamed_body(decision.data, True), ends_stream=True)
         self._services.journal.progress(request)
-        return reply
+        if forward is None:
+            return None
+        if self._held_headers is not None:
+            if not request.content_passed and not forward.end_of_stream:
+                self._held_body += forward.data  # the preamble waits for the first content
+                return None
+            await self._release_headers(forward.data, forward.end_of_stream)
+            return None
+        return m.streamed_body(forward.data, forward.end_of_stream)
 
     def _no_compatible_replica(self, request: r.LogicalRequest) -> str | None:
         digest = request.fingerprint_digest
@@ -493,7 +531,9 @@ class Inference(PassThrough):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(live.access_logged.wait(), ACCESS_LOG_WAIT_SECONDS)
                 cause = live.loss_cause or r.DownstreamLoss.UNKNOWN
-                await live.feed(r.DownstreamLost(cause, live.client_status, live.envoy_attempts))
+                await live.feed(
+                    r.DownstreamLost(cause, live.client_status, live.envoy_attempts, live.client_body_bytes)
+                )
         finally:
             live.stop()
             if live.publisher_progress is not None:
@@ -616,7 +656,7 @@ class DownstreamStream:
                     body = message.response_body
                     reply = await processor.on_response_body(body.body, body.end_of_stream)
                 elif which == "response_trailers":
-                    reply = m.RESPONSE_TRAILERS_CONTINUE
+                    reply = await processor.on_response_trailers()
                 else:
                     continue
                 await writer.write(reply)

@@ -68,6 +68,7 @@ class Live:
     attempts: dict[str, AttemptSink] = field(default_factory=dict)  # by attempt id
     loss_cause: r.DownstreamLoss | None = None
     client_status: int | None = None  # the status Envoy sent the client (its access log)
+    client_body_bytes: int | None = None  # the body bytes Envoy sent the client (its access log)
     envoy_attempts: int | None = None  # how many attempts Envoy made (its access log)
     access_logged: asyncio.Event = field(default_factory=asyncio.Event)
     publisher_progress: Tracked | None = None  # bytes of the publishing attempt that arrived here
@@ -323,8 +324,10 @@ class Registry:
         cause: r.DownstreamLoss | None,
         status: int | None = None,
         attempts: int | None = None,
+        body_bytes: int | None = None,
     ) -> None:
         live = self._live.get(request_id)
         if live is not None:
             live.loss_cause, live.client_status, live.envoy_attempts = cause, status, attempts
+            live.client_body_bytes = body_bytes
             live.access_logged.set()

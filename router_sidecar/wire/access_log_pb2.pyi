@@ -84,12 +84,14 @@ class HTTPRequestProperties(_message.Message):
     def __init__(self, request_method: _Optional[_Union[RequestMethod, str]] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., request_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class HTTPResponseProperties(_message.Message):
-    __slots__ = ("response_code", "response_code_details")
+    __slots__ = ("response_code", "response_body_bytes", "response_code_details")
     RESPONSE_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CODE_DETAILS_FIELD_NUMBER: _ClassVar[int]
     response_code: _wrappers_pb2.UInt32Value
+    response_body_bytes: int
     response_code_details: str
-    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ..., response_code_details: _Optional[str] = ...) -> None: ...
+    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ..., response_body_bytes: _Optional[int] = ..., response_code_details: _Optional[str] = ...) -> None: ...
 
 class ResponseFlags(_message.Message):
     __slots__ = ("upstream_request_timeout", "upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination", "downstream_connection_termination", "stream_idle_timeout", "upstream_max_stream_duration_reached", "duration_timeout", "upstream_protocol_error", "downstream_remote_reset")

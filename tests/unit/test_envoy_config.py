@@ -155,10 +155,13 @@ def test_the_pickers_answers_become_our_json_errors_before_any_other_mapper() ->
     mappers = hcm_of(behind_picker(PICKERS[0]))["local_reply_config"]["mappers"]
     ours, theirs = mappers[: -len(plain)], mappers[-len(plain) :]
     assert theirs == plain  # the gateway's own mappers unchanged, after the picker's
-    # The gateway's own: Envoy's replies for upstream trouble (they carry response flags) and its 413 (in
-    # Anthropic's shape on the Messages API, then in OpenAI's).
-    assert "response_flag_filter" in plain[0]["filter"]["and_filter"]["filters"][0]
-    for mapper in plain[1:3]:
+    # The gateway's own: Envoy's replies for upstream trouble (they carry response flags) and its 413, each in
+    # Anthropic's shape on the Messages API, then in OpenAI's.
+    for mapper in plain[0:2]:
+        assert "response_flag_filter" in mapper["filter"]["and_filter"]["filters"][0]
+    anthropic = plain[0]["body_format_override"]["json_format"]
+    assert anthropic["type"] == "error" and anthropic["error"]["details"] == {"error_code": "upstream_error"}
+    for mapper in plain[2:4]:
         status = mapper["filter"]["and_filter"]["filters"][0]["status_code_filter"]
         assert status["comparison"]["value"]["default_value"] == 413
     codes = []

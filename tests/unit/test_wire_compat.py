@@ -451,7 +451,7 @@ class _Echo:
 
 class _Notes:
     def __init__(self) -> None:
-        self.seen: list[tuple[str, DownstreamLoss | None, int | None, int | None]] = []
+        self.seen: list[tuple[str, DownstreamLoss | None, int | None, int | None, int | None]] = []
 
     def note_access_log(
         self,
@@ -459,8 +459,9 @@ class _Notes:
         cause: DownstreamLoss | None,
         status: int | None = None,
         attempts: int | None = None,
+        body_bytes: int | None = None,
     ) -> None:
-        self.seen.append((request_id, cause, status, attempts))
+        self.seen.append((request_id, cause, status, attempts, body_bytes))
 
 
 def test_envoy_stubs_talk_to_our_services(envoy: dict[str, ModuleType]) -> None:
@@ -496,12 +497,13 @@ def test_envoy_stubs_talk_to_our_services(envoy: dict[str, ModuleType]) -> None:
                 entry = accesslog_pb2.HTTPAccessLogEntry()
                 entry.request.request_id = "req-1"
                 entry.response.response_code.value = 200
+                entry.response.response_body_bytes = 1234  # Envoy's %BYTES_SENT%: our field 3 reads it
                 entry.common_properties.response_flags.upstream_remote_reset = True
                 entry.common_properties.upstream_request_attempt_count = 3  # Envoy's count of its attempts
                 log = als.StreamAccessLogsMessage()
                 log.http_logs.log_entry.append(entry)
                 await als_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([log]))
-                assert notes.seen == [("req-1", DownstreamLoss.UPSTREAM_RESET, 200, 3)]
+                assert notes.seen == [("req-1", DownstreamLoss.UPSTREAM_RESET, 200, 3, 1234)]
 
                 call = eds_grpc.EndpointDiscoveryServiceStub(channel).StreamEndpoints()
                 await call.write(disc.DiscoveryRequest(type_url=CLA_TYPE))
