@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,10 +126,17 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
         config_path = work_dir / "envoy.yaml"
         config_path.write_text(render(spec))
         await asyncio.to_thread(validate, envoy, config_path)
+        # The background parts (the registry watch among them) start once Envoy's process has exec'd, not once
+        # it is ready: its readiness waits for our first EDS answer, which waits for the watch's first
+        # snapshot (up to FIRST_SNAPSHOT_WAIT_SECONDS).
         envoy_child = await _start_envoy(
-            envoy, config_path, spec.admin_socket, work_dir, options.envoy_log_level
+            envoy,
+            config_path,
+            spec.admin_socket,
+            work_dir,
+            options.envoy_log_level,
+            started=server.start_background,
         )
-        server.start_background()
         where = f"gateway on http://{options.listen}"
         tail = f"etcd {options.etcd}; logs in {work_dir}{_telemetry_note(telemetry)}"
         announcer = asyncio.ensure_future(_announce_readiness(server, where, tail))
@@ -182,9 +190,21 @@ async def _run_gateway(options: GatewayOptions, stop: asyncio.Event) -> int:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-async def _start_envoy(envoy: str, config: Path, admin_socket: Path, work_dir: Path, log_level: str) -> Child:
+async def _start_envoy(
+    envoy: str,
+    config: Path,
+    admin_socket: Path,
+    work_dir: Path,
+    log_level: str,
+    *,
+    started: Callable[[], None] | None = None,
+) -> Child:
+    """Start Envoy and wait until it is ready; `started` runs once its process has exec'd (no fork is under
+    way then: what `SidecarServer.start_background` needs)."""
     child = start_envoy(envoy, config, name="envoy", log_path=work_dir / "envoy.log", log_level=log_level)
     (work_dir / "envoy.pid").write_text(f"{child.pid}\n")
+    if started is not None:
+        started()
     try:
         await wait_envoy_ready(child, admin_socket)
     except ProcessFailed as exc:
