@@ -94,21 +94,22 @@ class _ResponseEnds:
         return True
 
 
-class ClosingProxy:
-    def __init__(self, target: str, *, idle_close: float | None) -> None:
+class _ProxyThread:
+    """A TCP proxy on loopback to `target`, its own event loop in a thread; `_handle` serves a connection."""
+
+    def __init__(self, target: str) -> None:
         self.target_host, port = target.rsplit(":", 1)
         self.target_port = int(port)
-        self.idle_close = idle_close  # None: connections stay open (it may change between requests)
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.stats = ProxyStats()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name=f"closing-proxy-{self.port}", daemon=True)
+        name = f"{type(self).__name__}-{self.port}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
-            raise RuntimeError("the closing proxy did not start")
+            raise RuntimeError(f"{name} did not start")
 
     def _run(self) -> None:
         self._loop.run_until_complete(self._serve())
@@ -124,6 +125,67 @@ class ClosingProxy:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class DelayingProxy(_ProxyThread):
+    """Every byte reaches the other side `delay` seconds after it arrived, in order, in both directions: a
+    server a long round trip away (e.g. etcd in another zone)."""
+
+    def __init__(self, target: str, *, delay: float) -> None:
+        self.delay = delay
+        super().__init__(target)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection(self.target_host, self.target_port)
+        except OSError:
+            client_w.transport.abort()
+            return
+        loop = asyncio.get_running_loop()
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            due: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+            async def deliver() -> None:
+                while True:
+                    at, data = await due.get()
+                    await asyncio.sleep(max(0.0, at - loop.time()))
+                    if not data:
+                        writer.close()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+
+            delivering = asyncio.ensure_future(deliver())
+            try:
+                while data := await reader.read(65536):
+                    due.put_nowait((loop.time() + self.delay, data))
+                due.put_nowait((loop.time() + self.delay, b""))
+                await delivering
+            finally:
+                delivering.cancel()
+
+        pumps = [
+            asyncio.ensure_future(pump(client_r, server_w)),
+            asyncio.ensure_future(pump(server_r, client_w)),
+        ]
+        try:
+            await asyncio.gather(*pumps, return_exceptions=True)
+        finally:
+            for task in pumps:
+                task.cancel()
+            for w in (client_w, server_w):
+                w.close()
+
+
+class ClosingProxy(_ProxyThread):
+    def __init__(self, target: str, *, idle_close: float | None) -> None:
+        self.idle_close = idle_close  # None: connections stay open (it may change between requests)
+        self.stats = ProxyStats()
+        super().__init__(target)
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.stats.connections += 1

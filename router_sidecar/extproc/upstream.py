@@ -118,8 +118,10 @@ class UpstreamStream:
             if fallback_model is not None:
                 # The rewriter placement, next in the chain, sends this attempt the body naming that model.
                 headers.append((FALLBACK_MODEL_HEADER, fallback_model))
+            # Sent from the moment the release is being written: a cancel during the write may come after
+            # Envoy read it, and an attempt a replica may have seen is never journaled as one no replica saw.
+            sent = True
             await context.write(m.request_headers_reply(m.header_mutation(headers)))
-            sent = True  # from here the replica may have the request
             await self._hold(context, live)
         except asyncio.CancelledError:
             # Envoy tore the attempt down: before our reply let the request go (its connection died), or after

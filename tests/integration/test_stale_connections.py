@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.closing_proxy import ClosingProxy
+from tests.closing_proxy import ClosingProxy, DelayingProxy
 from tests.fault.fuzz import gather_evidence, send_request
 from tests.harness import Gateway, Sim
 from tests.invariants import NOT_SENT, ClientOutcome, Evidence, SentRequest, check_request, outcome_kind
@@ -259,11 +259,18 @@ def test_with_connections_kept_past_the_keep_alive_the_race_costs_nothing(
     meet the replicas' close; each such attempt is journaled and retried, uncounted when the close came
     before the sidecar let its request go.
 
-    Which side of the release the close lands on is timing (the hold is about a millisecond): on a busy
-    machine CI saw 144 requests without an uncounted one. The test of replicas closing after each response
-    proves the uncounted case; here at least one request must meet the close, on either side."""
-    policy = "upstream_connections:\n  idle_timeout_seconds: 30\n" + UNBOUNDED_BUDGET
-    gateway = gateway_for(etcd, keep_alive_pool, tmp_path, policy)
+    The close must land while a request is between Envoy and the replica. With a local etcd and pooled
+    leases that is about a millisecond, and on a busy machine CI saw 144, then 192 requests meet no close.
+    Here etcd is 20 ms away each way and attempt leases are granted one by one (etcd across zones, as some
+    deployments run it), so each request spends about 40 ms on its way and the waves meet the closes: runs
+    here saw 5 to 19 per 192 requests. Which side of the release a close lands on is timing; the test of
+    replicas closing after each response proves the uncounted case, here at least one request must meet it."""
+    policy = (
+        "upstream_connections:\n  idle_timeout_seconds: 30\nleases:\n  attempt_pool_size: 0\n"
+        + UNBOUNDED_BUDGET
+    )
+    far_etcd = DelayingProxy(etcd, delay=0.02)
+    gateway = gateway_for(far_etcd.endpoint, keep_alive_pool, tmp_path, policy)
     before = sum(p.stats.closed_idle for p in keep_alive_pool.proxies.values())
     try:
         rng = random.Random(8)
@@ -290,3 +297,4 @@ def test_with_connections_kept_past_the_keep_alive_the_race_costs_nothing(
         assert seen_race + len(lost) >= 1, f"no attempt met the replicas' idle close in {total} requests"
     finally:
         gateway.stop()
+        far_etcd.stop()
