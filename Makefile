@@ -47,7 +47,7 @@ lint: setup
 bench: setup
 	$(PY) bench/stream_overhead.py $(BENCH_ARGS)
 
-# The scale curve (bench/README.md#the-scale-curve-to-1-000-streams): 100, 300, 1000 slow streams, ~8 min.
+# The scale curve (bench/README.md#scalepy-1-000-concurrent-slow-streams): 100, 300, 1000 slow streams, ~8 min.
 .PHONY: bench-scale
 bench-scale: setup
 	$(PY) bench/scale.py $(SCALE_ARGS)

@@ -31,6 +31,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -41,6 +42,7 @@ import tempfile
 import time
 import urllib.request
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -446,6 +448,7 @@ def summarize(run: Run, idle: Idle) -> dict[str, Any]:
         "streams": len(streams),
         "complete": sum(1 for s in streams if s[4]),
         "violations": [s[5] for s in streams if not s[4]],
+        "violations_by_kind": dict(Counter(failure_kind(str(s[5])) for s in streams if not s[4])),
         "in_flight_mean": in_flight,
         "chunks_in_window": chunks,
         "chunks_per_second": chunks / window_s,
@@ -582,9 +585,33 @@ def step_table(p: dict[str, Any], g: dict[str, Any], args: argparse.Namespace) -
         _pair("client loop lag max (ms)", p["client_lag_ms"]["max"], g["client_lag_ms"]["max"], added=False),
     ]
     for s in (p, g):
-        for err in sorted(set(s["violations"]), key=str)[:3]:
-            lines.append(f"  ! {s['setup']}: {str(err)[:300]}")
+        kinds = Counter(failure_kind(str(e)) for e in s["violations"])
+        for kind, count in kinds.most_common():
+            example = next(str(e) for e in s["violations"] if failure_kind(str(e)) == kind)
+            lines.append(f"  ! {s['setup']}: {count} × {kind}, e.g. {' '.join(example.split())[:240]}")
     return "\n".join(lines)
+
+
+_FRAME_CODE = re.compile(r'"code": ?"([a-z_]+)"')
+
+
+def failure_kind(error: str) -> str:
+    """What kind of end a stream that was not complete had (the client's error text, stream_overhead's)."""
+    if error.startswith("HTTP "):
+        return error.split(":")[0]
+    if error.startswith("in-band error"):  # the gateway's terminal frame (or a replica's error event)
+        match = _FRAME_CODE.search(error)
+        return f"terminal frame {match.group(1) if match else '?'}"
+    for prefix, kind in (
+        ("connection closed", "cut (connection closed)"),
+        ("stream ended without", "ended without [DONE]"),
+        ("ended with [DONE] after", "events missing before [DONE]"),
+        ("no end within", "no end within the client's bound"),
+        ("connect:", "connect failed"),
+    ):
+        if error.startswith(prefix):
+            return kind
+    return error[:60]
 
 
 def _mib(kib: float | None) -> float | None:
@@ -701,7 +728,9 @@ def verdicts(steps: list[tuple[dict[str, Any], dict[str, Any]]], idle: Idle, arg
     )
     bad = sum(len(p["violations"]) + len(g["violations"]) for p, g in steps)
     total = sum(p["streams"] + g["streams"] for p, g in steps)
-    lines.append(f"contract: {bad} of {total} streams did not end complete with [DONE] (must be 0)")
+    kinds = Counter(failure_kind(str(e)) for p, g in steps for e in p["violations"] + g["violations"])
+    by_kind = f": {', '.join(f'{n} × {k}' for k, n in kinds.most_common())}" if kinds else ""
+    lines.append(f"contract: {bad} of {total} streams did not end complete with [DONE] (must be 0){by_kind}")
     return "\n".join(lines)
 
 
