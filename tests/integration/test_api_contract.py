@@ -331,9 +331,9 @@ def test_no_200_without_content_in_the_release_race(api_fleet: tuple[Api, Fleet]
     """The client gets no response headers before the first content has passed the gateway's last filter
     (issue 26): a reset in the release race is Envoy's own JSON error with nothing delivered in the journal,
     a 200 that carries content and ends as an interruption, or (the reset came before the release) a retry.
-    Before the downstream filter held its headers, 1 try in 20 here was a 200 cut short with nothing,
-    journaled as delivered; what is left is the gap between its two replies, and the journal then says nothing
-    was delivered (Envoy's access log: no body byte sent)."""
+    Before the downstream filter held its headers, this test found a 200 cut short with nothing within its 20
+    tries; what is left is the gap between the filter's two replies, and the journal then says nothing was
+    delivered (Envoy's access log: no body byte sent)."""
     api, fleet = api_fleet
     kinds: dict[str, int] = {}
     for attempt in range(20):  # bounded; the delays cycle since the window moves with the machine's load
