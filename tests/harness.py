@@ -40,6 +40,20 @@ REPO = Path(__file__).resolve().parent.parent
 CREDENTIAL = {"Authorization": "Bearer test-tenant"}
 
 
+def json_lines(path: Path, *, prefix: str = "") -> list[dict[str, Any]]:
+    """The JSON objects on a log's complete lines (those starting with `prefix`).
+
+    A line still being written when the file is read has no newline yet: it is left for the next read,
+    not parsed half-written.
+    """
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    complete = text.split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip() and line.startswith(prefix)]
+
+
 def with_credential(headers: dict[str, str] | None) -> dict[str, str]:
     """`headers` plus the test credential, unless they carry a credential (or an explicit None) already."""
     merged = dict(headers or {})
@@ -107,9 +121,7 @@ class Sim:
             self.child.stop()
 
     def records(self) -> list[dict[str, Any]]:
-        if not self.log_path.exists():
-            return []
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        return json_lines(self.log_path)
 
     def requests_for(self, request_id: str) -> list[dict[str, Any]]:
         """The end records of the request's attempts this replica served."""

@@ -240,7 +240,6 @@ class Inference(PassThrough):
             services.registry.remove(live)
             services.journal.release(request)
             return self._immediate(request, decision.error)
-        logs.bind(trace_id=services.telemetry.trace_id(request))
         return m.request_body_reply(dynamic_metadata=_lb_metadata(request, destinations))
 
     async def _destinations(self, request: r.LogicalRequest) -> Destinations | m.ProcessingResponse:

@@ -96,7 +96,7 @@ class UpstreamStream:
         attempt = request.attempt(attempt_id)
         assert attempt is not None
         telemetry = self._services.telemetry
-        logs.bind(request_id=request.request_id, attempt_id=attempt_id, trace_id=telemetry.trace_id(request))
+        logs.bind(request_id=request.request_id, attempt_id=attempt_id)
         attempt_headers = rec.AttemptHeaders(
             request_id=request.request_id,
             attempt_id=attempt_id,
@@ -187,6 +187,7 @@ class UpstreamStream:
                     attempt.replica,
                     attempt.failure.value,
                     "retrying" if isinstance(verdict, a.TriggerRetry) else f"no retry ({verdict.code})",
+                    extra={"attempt_id": decision.attempt_id},  # this may run in another stream's task
                 )
             held = [m.RESPONSE_BODY_CONTINUE] * decision.held_chunks
             await self._write(_answer(self._live.request, verdict), *held)

@@ -23,10 +23,11 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 attempt_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("attempt_id", default=None)
-trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
 
-# What a request's log lines say about it, given the attempt a line is about (or None): its API, and the
-# engine behind the attempt's replica (`api`, `gen_ai.operation.name`, `gen_ai.provider.name`). Kept from
+# What a request's log lines say about it, given the attempt a line is about (or None): its trace, its API,
+# and the engine behind the attempt's replica (`trace_id`, `api`, `gen_ai.operation.name`,
+# `gen_ai.provider.name`). Read when a line is written: the trace opens after admission, and a line may come
+# from any task that feeds the request's machine (one stream's, another's, the journal's). Kept from
 # admission to the request's end; bounded all the same (a request never ended by a view is forgotten, the
 # oldest first).
 About = Callable[[str | None], dict[str, str]]
@@ -56,16 +57,12 @@ def _about(request_id: str, attempt_id: str | None) -> dict[str, str]:
         return {}
 
 
-def bind(
-    *, request_id: str | None = None, attempt_id: str | None = None, trace_id: str | None = None
-) -> None:
+def bind(*, request_id: str | None = None, attempt_id: str | None = None) -> None:
     """Name what the current task's log lines are about (the stream's task and those it starts)."""
     if request_id is not None:
         request_id_var.set(request_id)
     if attempt_id is not None:
         attempt_id_var.set(attempt_id)
-    if trace_id is not None:
-        trace_id_var.set(trace_id)
 
 
 class JsonFormatter(logging.Formatter):
@@ -77,17 +74,15 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for key, var in (
-            ("request_id", request_id_var),
-            ("attempt_id", attempt_id_var),
-            ("trace_id", trace_id_var),
-        ):
-            value = var.get()
+        for key, var in (("request_id", request_id_var), ("attempt_id", attempt_id_var)):
+            # A line about another attempt than the task's own (a decision one stream delivers to another's)
+            # names it itself: `log.info(..., extra={"attempt_id": ...})`.
+            value = getattr(record, key, None) or var.get()
             if value is not None:
                 line[key] = value
-        request_id = request_id_var.get()
+        request_id = line.get("request_id")
         if request_id is not None:
-            line.update(_about(request_id, attempt_id_var.get()))
+            line.update(_about(request_id, line.get("attempt_id")))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

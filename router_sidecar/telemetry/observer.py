@@ -247,12 +247,14 @@ class Telemetry:
         about_request = {"api": route, "gen_ai.operation.name": _OPERATION.get(route, route)}
 
         def about(attempt_id: str | None) -> dict[str, str]:
+            trace_id = self.trace_id(request)
+            line = about_request if trace_id is None else {"trace_id": trace_id, **about_request}
             attempt = request.attempt(attempt_id) if attempt_id else None
             if attempt is None and request.attempts:
                 attempt = request.attempts[-1]
             if attempt is None:
-                return about_request
-            return {**about_request, PROVIDER: self.provider(attempt.replica)}
+                return line
+            return {**line, PROVIDER: self.provider(attempt.replica)}
 
         logs.describe(request.request_id, about)
 

@@ -32,6 +32,7 @@ from router_sidecar.runtime.supervise import (
     start_envoy,
     wait_until,
 )
+from tests.harness import json_lines
 
 PYTHON = sys.executable
 
@@ -305,10 +306,7 @@ class PickerProcess:
             self.child.stop()
 
     def records(self, event: str = "end") -> list[dict[str, Any]]:
-        if not self.log_path.exists():
-            return []
-        lines = self.log_path.read_text().splitlines()
-        return [r for r in map(json.loads, filter(None, lines)) if r.get("event") == event]
+        return [r for r in json_lines(self.log_path) if r.get("event") == event]
 
     def record_of(self, request_id: str) -> dict[str, Any] | None:
         found = [r for r in self.records() if r.get("request_id") == request_id]

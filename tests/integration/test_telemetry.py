@@ -3,7 +3,6 @@ parsed with prometheus_client's parser, the replica's own log of the trace conte
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -17,7 +16,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import CREDENTIAL, Agent, Gateway, Sim, chat, free_port, poll, post
+from tests.harness import CREDENTIAL, Agent, Gateway, Sim, chat, free_port, json_lines, poll, post
 
 pytestmark = pytest.mark.integration
 
@@ -275,8 +274,7 @@ def test_json_logs_name_the_request_and_its_trace(observed: Gateway) -> None:
 
     def logged() -> bool:
         nonlocal lines
-        text = observed.out_path.read_text()
-        lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        lines = json_lines(observed.out_path, prefix="{")
         return any(line.get("request_id") == result.request_id for line in lines)
 
     poll(logged, timeout=10, what="a JSON log line about the request")

@@ -345,18 +345,23 @@ def test_json_log_lines_name_their_request() -> None:
     try:
 
         def in_a_stream() -> None:
-            logs.bind(request_id="req-1", attempt_id="att-1", trace_id="ab" * 16)
+            logs.bind(request_id="req-1", attempt_id="att-1")
             logger.warning("attempt %d failed", 1)
+            # A line about another attempt, from this task (a verdict delivered for another stream).
+            logger.warning("attempt %d failed", 2, extra={"attempt_id": "att-2"})
 
         import contextvars
 
+        logs.describe("req-1", lambda attempt_id: {"trace_id": "ab" * 16})
         contextvars.copy_context().run(in_a_stream)
         logger.warning("outside any stream")
     finally:
+        logs.forget("req-1")
         logger.removeHandler(handler)
-    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    first, other, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["message"] == "attempt 1 failed" and first["level"] == "WARNING"
     assert (first["request_id"], first["attempt_id"], first["trace_id"]) == ("req-1", "att-1", "ab" * 16)
+    assert (other["request_id"], other["attempt_id"], other["trace_id"]) == ("req-1", "att-2", "ab" * 16)
     assert "request_id" not in second  # another task's ids never leak into this one's lines
 
 
