@@ -44,6 +44,8 @@ lint: setup
 	.venv/bin/ruff check router_sidecar testbed tests bench
 	.venv/bin/ruff format --check router_sidecar testbed tests bench
 
+# The performance targets are set at a 20 ms prefill and at 1, 10 and 100 streams (bench/README.md); ~4 min.
+BENCH_ARGS ?= --prefill-ms 20 --curve 1,10,100
 bench: setup
 	$(PY) bench/stream_overhead.py $(BENCH_ARGS)
 

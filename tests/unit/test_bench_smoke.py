@@ -201,20 +201,53 @@ def test_upstream_and_client_end_to_end_on_the_responses_api() -> None:
     assert result.ttfd_ns is not None
 
 
-def test_the_apis_side_by_side() -> None:
-    def setup(name: str, ttfd_ms: float, latency_ms: float, cpu: dict[str, float]) -> stream_overhead.Setup:
-        s = stream_overhead.Setup(name, 1, 2, 3 if "sidecar" in cpu else None)
-        s.streams = [
-            stream_overhead.StreamResult(
-                sent_ns=0,
-                first_content_ns=int(ttfd_ms * 1e6),
-                latencies_ns=[int(latency_ms * 1e6)] * 1000,
-                done=True,
-            )
-        ]
-        s.cpu = cpu
-        return s
+def setup(name: str, ttfd_ms: float, latency_ms: float, cpu: dict[str, float]) -> stream_overhead.Setup:
+    """A setup's measured phase: one stream of 1000 chunks, and its processes' CPU seconds."""
+    s = stream_overhead.Setup(name, 1, 2, 3 if "sidecar" in cpu else None)
+    s.streams = [
+        stream_overhead.StreamResult(
+            sent_ns=0,
+            first_content_ns=int(ttfd_ms * 1e6),
+            latencies_ns=[int(latency_ms * 1e6)] * 1000,
+            done=True,
+        )
+    ]
+    s.cpu = cpu
+    return s
 
+
+def test_the_targets_each_against_its_baseline_in_the_same_run() -> None:
+    def phase(gateway_ttfd: float, sidecar: float, envoy: float) -> list[stream_overhead.Setup]:
+        return [
+            setup("plain", 22.0, 0.1, {"envoy": 0.04}),
+            setup("gateway", gateway_ttfd, 0.5, {"envoy": envoy, "sidecar": sidecar}),
+            setup("floor", 26.0, 0.4, {"envoy": 0.07, "sidecar": 0.2}),
+        ]
+
+    phases = {"sequential": phase(26.0, 0.22, 0.08), "curve ×100": phase(30.0, 0.3, 0.1)}
+    args = stream_overhead.parse_args(["--prefill-ms", "20", "--concurrency", "1", "--curve", "100"])
+    rows = stream_overhead.targets(phases, args).splitlines()[1:]
+    assert [r.split("  ")[1] for r in rows] == [
+        "time to first delta added over plain ≤ +4.4 ms, one stream",
+        "sidecar CPU per chunk ≤ 1.15× the floor's, one stream",
+        "envoy CPU per chunk ≤ 2× plain's, one stream",
+        "sidecar CPU per chunk ≤ 1.15× the floor's, 100 streams (curve)",
+        "envoy CPU per chunk ≤ 2× plain's, 100 streams (curve)",
+    ]
+    assert "+4.0 ms" in rows[0] and rows[0].endswith(" met")
+    assert "1.10×" in rows[1] and rows[1].endswith(" met")
+    assert "2.00×" in rows[2] and "(floor's envoy 1.75×)" in rows[2] and rows[2].endswith(" met")
+    assert "1.50×" in rows[3] and rows[3].endswith("NOT met")
+    assert "2.50×" in rows[4] and rows[4].endswith("NOT met")
+    # Another prefill than the target's: measured, and said so.
+    other = stream_overhead.targets(phases, stream_overhead.parse_args(["--concurrency", "1"]))
+    assert "(set at --prefill-ms 20)" in other.splitlines()[1]
+    no_floor = {"sequential": phase(26.0, 0.22, 0.08)[:2]}
+    one = stream_overhead.parse_args(["--prefill-ms", "20", "--concurrency", "1"])
+    assert "not measured (--no-floor)" in stream_overhead.targets(no_floor, one).splitlines()[2]
+
+
+def test_the_apis_side_by_side() -> None:
     phases = {
         "sequential": [
             setup("plain", 2, 0.1, {"envoy": 0.05}),
