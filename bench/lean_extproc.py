@@ -7,7 +7,12 @@ response headers, each body chunk echoed as a streamed body). Upstream: request 
 first response body chunk, the headers and that chunk released, then the stream ends (the sidecar's own
 release at the first delta). Access log: consumed.
 
-    python bench/lean_extproc.py --listen unix:/path/to.sock
+With `--hold-until-content` the upstream placement holds the response until its second body chunk (the
+first content after the role event, in the bench upstream's streams), as the sidecar's first-delta rule
+does, and the downstream placement holds its reply to the response headers until the first body chunk: the
+same ext_proc hops after the first content as the sidecar's, with nothing decided and no etcd.
+
+    python bench/lean_extproc.py --listen unix:/path/to.sock [--hold-until-content]
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from router_sidecar.wire import services as wire_services
 
 
 class LeanProcessor:
+    def __init__(self, *, hold_until_content: bool = False) -> None:
+        self._hold = hold_until_content
+
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         placement = dict(context.invocation_metadata() or ()).get(PLACEMENT_METADATA)
         if placement == "upstream":
@@ -33,6 +41,7 @@ class LeanProcessor:
             await self._downstream(context)
 
     async def _downstream(self, context: grpc.aio.ServicerContext) -> None:
+        held_headers = False
         while True:
             message = await context.read()
             if message is grpc.aio.EOF:
@@ -40,17 +49,24 @@ class LeanProcessor:
             which = message.WhichOneof("request")
             if which == "response_body":
                 body = message.response_body
+                if held_headers:
+                    held_headers = False
+                    await context.write(m.response_headers_reply())
                 await context.write(m.streamed_body(body.body, body.end_of_stream))
             elif which == "request_headers":
                 await context.write(m.request_headers_reply())
             elif which == "request_body":
                 await context.write(m.request_body_reply())
             elif which == "response_headers":
-                await context.write(m.response_headers_reply())
+                if self._hold and not message.response_headers.end_of_stream:
+                    held_headers = True  # answered with the first body chunk
+                else:
+                    await context.write(m.response_headers_reply())
             elif which == "response_trailers":
                 await context.write(m.RESPONSE_TRAILERS_CONTINUE)
 
     async def _upstream(self, context: grpc.aio.ServicerContext) -> None:
+        held_chunks = 0
         while True:
             message = await context.read()
             if message is grpc.aio.EOF:
@@ -59,8 +75,12 @@ class LeanProcessor:
             if which == "request_headers":
                 await context.write(m.request_headers_reply())
             elif which == "response_body":
+                held_chunks += 1
+                if self._hold and held_chunks < 2 and not message.response_body.end_of_stream:
+                    continue  # the role event: held until the first content
                 await context.write(m.response_headers_reply())
-                await context.write(m.RESPONSE_BODY_CONTINUE)
+                for _ in range(held_chunks):
+                    await context.write(m.RESPONSE_BODY_CONTINUE)
                 return  # leave the path: Envoy forwards the rest without us
 
 
@@ -71,9 +91,9 @@ class LeanAccessLog:
         return access_log_pb2.StreamAccessLogsResponse()
 
 
-async def serve(bind: str) -> None:
+async def serve(bind: str, hold_until_content: bool) -> None:
     server = grpc.aio.server()
-    wire_services.add_external_processor(server, LeanProcessor())
+    wire_services.add_external_processor(server, LeanProcessor(hold_until_content=hold_until_content))
     wire_services.add_access_log_service(server, LeanAccessLog())
     server.add_insecure_port(bind)
     await server.start()
@@ -84,13 +104,18 @@ async def serve(bind: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
+    parser.add_argument(
+        "--hold-until-content",
+        action="store_true",
+        help="hold the response until its first content, as the sidecar does (upstream and downstream)",
+    )
     args = parser.parse_args()
     try:
         import uvloop
 
-        uvloop.run(serve(args.listen))
+        uvloop.run(serve(args.listen, args.hold_until_content))
     except ImportError:
-        asyncio.run(serve(args.listen))
+        asyncio.run(serve(args.listen, args.hold_until_content))
 
 
 if __name__ == "__main__":

@@ -352,12 +352,16 @@ def start_gateway(listen: int, upstream: int, etcd: str, work: Path) -> Child:
     return child
 
 
-def start_floor(envoy: str, listen: int, upstream: int, work: Path) -> tuple[Child, Child]:
-    """Envoy with the gateway's own config, its ext_proc pointed at `lean_extproc.py` (the gRPC floor)."""
+def start_floor(
+    envoy: str, listen: int, upstream: int, work: Path, *, holds: bool = False
+) -> tuple[Child, Child]:
+    """Envoy with the gateway's own config, its ext_proc pointed at `lean_extproc.py` (the gRPC floor);
+    `holds`: the floor holds the response until its first content, as the sidecar does."""
     socket_path = work / "lean.sock"
     lean = Child(
         "lean-extproc",
-        [sys.executable, str(BENCH_DIR / "lean_extproc.py"), "--listen", f"unix:{socket_path}"],
+        [sys.executable, str(BENCH_DIR / "lean_extproc.py"), "--listen", f"unix:{socket_path}"]
+        + (["--hold-until-content"] if holds else []),
         log_path=work / "lean-extproc.log",
     )
     wait_until(socket_path.exists, timeout=30, what="lean ext_proc ready", child=lean)
@@ -838,6 +842,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the third setup: the same Envoy config with a lean pass-through ext_proc (the gRPC floor)",
     )
     parser.add_argument(
+        "--floor-holds",
+        action="store_true",
+        help="the floor holds each response until its first content, as the sidecar does: the same ext_proc "
+        "hops after the first content, so the time to first delta it adds is what the first-delta rule costs "
+        "in hops (nothing decided, no etcd)",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, help="keep configs and logs here (default: temp dir, removed)"
     )
     args = parser.parse_args(argv)
@@ -935,14 +946,15 @@ def _run(
     ours_extra: list[int] = []
     if args.floor:
         floor_port = free_port(HOST)
-        lean, floor_envoy = start_floor(envoy, floor_port, upstream_port, work)
+        lean, floor_envoy = start_floor(envoy, floor_port, upstream_port, work, holds=args.floor_holds)
         stack.callback(lean.stop)
         stack.callback(floor_envoy.stop)
         setups.append(Setup("floor", floor_port, floor_envoy.pid, lean.pid))
         ours_extra = [lean.pid, floor_envoy.pid]
     print(
         f"measuring: upstream :{upstream_port}, plain envoy :{plain_port}, gateway :{gateway_port}"
-        + (f", floor :{setups[-1].port}" if args.floor else ""),
+        + (f", floor :{setups[-1].port}" if args.floor else "")
+        + (" (holding until the first content)" if args.floor and args.floor_holds else ""),
         file=sys.stderr,
         flush=True,
     )
