@@ -9,9 +9,13 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from bench import sse_upstream, stream_overhead
+import grpc
+
+from bench import lean_extproc, sse_upstream, stream_overhead
 from router_sidecar.core.policy import load_policy
 from router_sidecar.core.sse import EventKind, SseScanner
+from router_sidecar.extproc import messages as m
+from router_sidecar.extproc.server import PLACEMENT_METADATA
 from router_sidecar.runtime.envoy_config import Endpoint, GatewaySpec, render
 
 
@@ -269,3 +273,52 @@ def test_the_apis_side_by_side() -> None:
     assert lines[-2].split()[-4:] == ["-", "300.0", "-", "330.0"]  # sidecar µs per chunk
     assert stream_overhead.parse_args(["--apis", "responses"]).apis == ("responses",)
     assert "not measured" in stream_overhead.targets({}, stream_overhead.parse_args(["--apis", "responses"]))
+
+
+class _Stream:
+    """One ext_proc stream as `lean_extproc` sees it: Envoy's messages in, our replies recorded."""
+
+    def __init__(self, placement: str, messages: list[Any]) -> None:
+        self._pending = list(messages)
+        self._metadata = ((PLACEMENT_METADATA, placement),)
+        self.replies: list[str] = []
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def read(self) -> Any:
+        return self._pending.pop(0) if self._pending else grpc.aio.EOF
+
+    async def write(self, reply: Any) -> None:
+        # A streamed body reply is hand-encoded bytes; the others are messages.
+        self.replies.append("body" if isinstance(reply, bytes) else str(reply.WhichOneof("response")))
+
+
+def _replies(hold: bool, placement: str, messages: list[Any]) -> list[str]:
+    stream = _Stream(placement, messages)
+    asyncio.run(lean_extproc.LeanProcessor(hold_until_content=hold).Process(None, stream))  # type: ignore[arg-type]
+    return stream.replies
+
+
+def test_the_floor_holds_until_the_first_content_only_when_asked() -> None:
+    headers = m.ProcessingRequest(request_headers={})
+    response = m.ProcessingRequest(response_headers={})
+    role, content = (m.ProcessingRequest(response_body={"body": b}) for b in (b"role", b"content"))
+    # Upstream: released at the first body chunk, or with --hold-until-content at the second (the first
+    # content after the role event), with every held chunk.
+    assert _replies(False, "upstream", [headers, response, role, content]) == [
+        "request_headers",
+        "response_headers",
+        "response_body",
+    ]
+    assert _replies(True, "upstream", [headers, response, role]) == ["request_headers"]
+    assert _replies(True, "upstream", [headers, response, role, content]) == [
+        "request_headers",
+        "response_headers",
+        "response_body",
+        "response_body",
+    ]
+    # Downstream: its reply to the response headers waits for the first body chunk when holding.
+    assert _replies(False, "downstream", [response]) == ["response_headers"]
+    assert _replies(True, "downstream", [response]) == []
+    assert _replies(True, "downstream", [response, role, content]) == ["response_headers", "body", "body"]
