@@ -11,6 +11,7 @@ counts what it did.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -112,19 +113,34 @@ class _ProxyThread:
             raise RuntimeError(f"{name} did not start")
 
     def _run(self) -> None:
-        self._loop.run_until_complete(self._serve())
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
         self._ready.set()
         async with server:
             await self._stop.wait()
+        # Every connection's task ends here, in this loop: none is left pending for the garbage collector to
+        # finalize later in another thread (its finalizer runs Python code wherever the collector happens to
+        # run, e.g. inside the test runner's own `compile`).
+        connections = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in connections:
+            task.cancel()
+        await asyncio.gather(*connections, return_exceptions=True)
 
     def stop(self) -> None:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+    async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # Cancelled only at the proxy's stop: it ends quietly (asyncio's server logs a cancelled one).
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._handle(client_r, client_w)
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         raise NotImplementedError
