@@ -31,7 +31,7 @@ AUTH = {"authorization": "Bearer unused"}  # the SDK's credential: journal look-
 CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 TERMINAL_PHASES = {"completed", "interrupted", "cancelled", "rejected", "failed"}
-ROUTING_TRIES = 12  # stream_until_routed_to: past a 2-s demotion of the victim, half a second apart
+ROUTING_TRIES = 12  # stream_until_routed_to: half a second apart, past the sidecar's next probes
 
 R = TypeVar("R", bound=EngineReplica)
 OnChunk = Callable[[Any, Streamed], bool]
@@ -316,9 +316,10 @@ def stream_until_routed_to(
 ) -> Landed | None:
     """Start chats (or whatever `start(headers)` streams: the headers name the request) in the background, one
     at a time, until one's first attempt goes to `victim`; those served elsewhere get `join` seconds to
-    finish. Round robin lands within two, unless the gateway put the victim last for a moment: a replica just
-    restarted fails the connections Envoy pooled to it before (`placement.connect_failure_seconds`, 2 s), so
-    the tries go on, half a second apart, for a bounded count. None if none landed (CI, 5 December 2026: four
+    finish. Round robin lands within two, once the gateway has the victim among its candidates: a static
+    replica just restarted is one again only when the sidecar's own probe saw it healthy
+    (`liveness.static_probe_interval_seconds`, 1 s), which may come after Envoy's health check did. So the
+    tries go on, half a second apart, for a bounded count. None if none landed (CI, 5 December 2026: four
     tries within 0.6 s after a restart all went to the other replica)."""
 
     def chat(headers: dict[str, str]) -> Streamed:
@@ -328,7 +329,7 @@ def stream_until_routed_to(
 
     for attempt in range(ROUTING_TRIES):
         if attempt:
-            time.sleep(0.5)  # lets a moment's demotion of the victim run out (not a synchronisation)
+            time.sleep(0.5)  # paces the tries while the sidecar's probe catches up (not a synchronisation)
         request_id = f"{id_prefix}-{uuid.uuid4().hex[:16]}"
         thread, box = in_background(
             lambda rid=request_id: (start or chat)({"Idempotency-Key": rid})  # type: ignore[misc]
